@@ -1,0 +1,1 @@
+"""Data: prepared datasets (sources, synthetic) and token-budget batching."""

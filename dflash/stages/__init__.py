@@ -1,0 +1,1 @@
+"""Stages compose the modules; they never import each other."""

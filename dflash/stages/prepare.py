@@ -1,0 +1,32 @@
+"""stage=prepare: the target checkpoint and the prepared dataset, nothing else.
+
+    accelerate launch dflash/main.py stage=prepare [data=file data.path=...]
+
+Builds the embedded target at `model.path` if `model.init=embedded`, then validates the source
+data (or generates synthetic conversations with the target) into `data.prepared_dir`
+(default `${run_dir}/prepared`). Rank 0 works; the other ranks wait. stage=extract does the same
+first when something is missing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dflash.config import Config
+from dflash.data.prepare import ensure_prepared
+from dflash.runtime import init_runtime
+from dflash.target.load import ensure_target
+
+
+def run(cfg: Config) -> None:
+    rt = init_runtime(cfg.run_dir, cfg.extract.device, cfg.barrier.timeout_s, cfg.barrier.poll_s)
+
+    def prepare() -> None:
+        ensure_target(cfg.model.path, cfg.model.init, cfg.model.architecture, cfg.model.seed)
+        ensure_prepared(cfg.data, cfg.model.path, getattr(torch, cfg.model.dtype), rt.device)
+
+    try:
+        rt.main_first("prepared", prepare)
+    except BaseException as exc:
+        rt.mark_failed(exc)
+        raise

@@ -1,0 +1,165 @@
+"""Background shard writer: compute hands over whole batches; a thread packs and writes shards.
+
+The queue between them is bounded (`extract.writer_queue_batches`): when the disk is slower than
+the GPU, `put` blocks and that wait is measured (`compute_wait_s`), so the telemetry says which
+side waits. An error in the writer thread (full disk, unwritable dir) is re-raised in the
+compute thread at the next `put` or at `close`, and the shard being written is never journaled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import save as safetensors_save
+
+from dflash.atomic import write_bytes_atomic
+from dflash.store.shards import append_journal, journal_path, shard_name
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CapturedBatch:
+    """One batch of captured states on the host, right-padded.
+
+    hidden_BSLH: [B, S, n_layers, H] in the store dtype; rows past a sample's length are padding.
+    input_ids_BS: [B, S] int; loss_mask_BS: [B, S] uint8; lengths: [B] real lengths;
+    sample_ids: [B].
+    """
+
+    hidden_BSLH: torch.Tensor
+    input_ids_BS: torch.Tensor
+    loss_mask_BS: torch.Tensor
+    lengths: list[int]
+    sample_ids: list[int]
+
+
+@dataclass
+class WriterStats:
+    """Counters of one writer, read by the telemetry (approximate while running)."""
+
+    num_samples: int = 0
+    num_tokens: int = 0
+    num_bytes: int = 0
+    num_shards: int = 0
+    compute_wait_s: float = 0.0
+    """Seconds `put` blocked on a full queue: the disk is the bottleneck."""
+    write_s: float = 0.0
+    """Seconds spent serialising and writing shards."""
+    shards: list[str] = field(default_factory=list)
+
+
+class ShardWriter:
+    """Writes a rank's samples into shards under `states_dir/shards/`. Used by one rank's
+    compute thread: `put` batches, then `close` (flushes the last shard, joins the thread)."""
+
+    def __init__(self, states_dir: Path, launch_id: str, rank: int, shard_max_bytes: int,
+                 queue_batches: int):
+        self.states_dir = Path(states_dir)
+        (self.states_dir / "shards").mkdir(parents=True, exist_ok=True)
+        self.journal = journal_path(self.states_dir, launch_id, rank)
+        self.journal.parent.mkdir(parents=True, exist_ok=True)
+        self.launch_id, self.rank, self.shard_max_bytes = launch_id, rank, shard_max_bytes
+        self.stats = WriterStats()
+        self._queue: queue.Queue[CapturedBatch | None] = queue.Queue(maxsize=queue_batches)
+        self._error: BaseException | None = None
+        self._pending: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._pending_bytes = 0
+        self._thread = threading.Thread(target=self._run, name=f"shard-writer-r{rank}", daemon=True)
+        self._thread.start()
+
+    @property
+    def queue_depth(self) -> int:
+        return self._queue.qsize()
+
+    def put(self, batch: CapturedBatch) -> None:
+        """Queue a batch; blocks while the queue is full. Re-raises a writer error."""
+        self._raise_if_failed()
+        start = time.monotonic()
+        while True:
+            try:
+                self._queue.put(batch, timeout=0.5)
+                break
+            except queue.Full:
+                self._raise_if_failed()
+        self.stats.compute_wait_s += time.monotonic() - start
+
+    def close(self) -> WriterStats:
+        """Write the last shard and stop the thread. Re-raises a writer error."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+        self._raise_if_failed()
+        return self.stats
+
+    def abort(self) -> None:
+        """Stop without writing the pending samples (after an error elsewhere)."""
+        self._pending.clear()
+        if self._thread.is_alive():
+            try:
+                self._queue.put_nowait(None)
+            except queue.Full:
+                pass
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"rank {self.rank}: the shard writer failed: {self._error}") from self._error
+
+    def _run(self) -> None:
+        try:
+            while (batch := self._queue.get()) is not None:
+                self._add(batch)
+            if self._pending:
+                self._flush()
+        except BaseException as exc:  # handed to the compute thread
+            self._error = exc
+            # Drain so that a blocked `put` or `close` returns.
+            while True:
+                try:
+                    self._queue.get_nowait()
+                except queue.Empty:
+                    break
+
+    def _add(self, batch: CapturedBatch) -> None:
+        for b, (length, sample_id) in enumerate(zip(batch.lengths, batch.sample_ids)):
+            hidden = batch.hidden_BSLH[b, :length]
+            self._pending.append((sample_id, hidden, batch.input_ids_BS[b, :length],
+                                  batch.loss_mask_BS[b, :length]))
+            self._pending_bytes += hidden.numel() * hidden.element_size()
+            if self._pending_bytes >= self.shard_max_bytes:
+                self._flush()
+
+    def _flush(self) -> None:
+        start = time.monotonic()
+        samples, self._pending, self._pending_bytes = self._pending, [], 0
+        lengths = torch.tensor([len(s[2]) for s in samples], dtype=torch.int64)
+        offsets = torch.zeros(len(samples) + 1, dtype=torch.int64)
+        torch.cumsum(lengths, 0, out=offsets[1:])
+        tensors = {
+            "hidden_states": torch.cat([s[1] for s in samples]).contiguous(),
+            "input_ids": torch.cat([s[2] for s in samples]).to(torch.int32),
+            "loss_mask": torch.cat([s[3] for s in samples]).to(torch.uint8),
+            "offsets": offsets,
+            "sample_ids": torch.tensor([s[0] for s in samples], dtype=torch.int64),
+        }
+        data = safetensors_save(tensors, metadata={"format": "pt", "dflash_format_version": "1"})
+        rel = shard_name(self.launch_id, self.rank, self.stats.num_shards)
+        write_bytes_atomic(self.states_dir / rel, data)
+        info = {"sha256": hashlib.sha256(data).hexdigest(), "num_samples": len(samples),
+                "num_tokens": int(offsets[-1]), "num_bytes": len(data)}
+        append_journal(self.journal, rel, info)
+        self.stats.num_samples += info["num_samples"]
+        self.stats.num_tokens += info["num_tokens"]
+        self.stats.num_bytes += info["num_bytes"]
+        self.stats.num_shards += 1
+        self.stats.shards.append(rel)
+        self.stats.write_s += time.monotonic() - start
+        log.debug("wrote %s: %d samples, %d tokens, %d bytes", rel, info["num_samples"],
+                  info["num_tokens"], info["num_bytes"])

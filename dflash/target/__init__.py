@@ -1,0 +1,1 @@
+"""The target model: loading (embedded or real checkpoints) and hidden-state capture."""

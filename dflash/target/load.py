@@ -1,0 +1,124 @@
+"""Load the target model: the embedded tiny checkpoint or a real Qwen3.5/3.6 checkpoint.
+
+Only the decoder layers up to the last captured one are built and loaded (the forward stops
+there), and never the lm_head. A multimodal `Qwen3_5ForConditionalGeneration` checkpoint
+(Qwen3.6-27B ships as one) is read through its `text_config`: only `model.language_model.*`
+is loaded; `model.visual.*`, `mtp.*` and `lm_head` stay on disk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from transformers import AutoConfig, AutoModel, PretrainedConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    """What the manifest records about the target (design.md §3 `target`)."""
+
+    path: str
+    num_hidden_layers: int
+    hidden_size: int
+    vocab_size: int
+    config_sha256: str
+    """sha256 of the checkpoint's config.json bytes."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    """transformers prints a table of the unused checkpoint tensors (the layers past the last
+    captured one, lm_head, the vision tower): expected here, so keep it out of the logs."""
+    previous = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        transformers.logging.set_verbosity(previous)
+
+
+def text_config(path: str | Path) -> PretrainedConfig:
+    """The language-model config of a checkpoint (its `text_config` when multimodal)."""
+    config = AutoConfig.from_pretrained(str(path))
+    return getattr(config, "text_config", None) or config
+
+
+def target_info(path: str | Path) -> TargetInfo:
+    config = text_config(path)
+    config_bytes = (Path(path) / "config.json").read_bytes()
+    return TargetInfo(path=str(path), num_hidden_layers=config.num_hidden_layers,
+                      hidden_size=config.hidden_size, vocab_size=config.vocab_size,
+                      config_sha256=hashlib.sha256(config_bytes).hexdigest())
+
+
+def build_embedded(path: str | Path, architecture: dict[str, Any], seed: int) -> None:
+    """Build a `Qwen3_5ForCausalLM` of `architecture` with weights drawn from `seed` and save it
+    at `path` (config.json + model.safetensors) unless it is already there. The checkpoint is
+    written to a temporary dir and renamed, so a killed build leaves nothing that looks valid.
+    Rank 0 only."""
+    path = Path(path)
+    if (path / "config.json").exists():
+        return
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    config = Qwen3_5TextConfig(**architecture)
+    torch.manual_seed(seed)
+    model = Qwen3_5ForCausalLM(config)
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tmp.rename(path)
+    log.info("built the embedded target (%s parameters, seed %d) at %s",
+             f"{sum(p.numel() for p in model.parameters()):,}", seed, path)
+
+
+def load_base_model(path: str | Path, num_layers: int, dtype: torch.dtype, device: torch.device,
+                    attn_implementation: str = "sdpa") -> torch.nn.Module:
+    """The target's base model (embeddings + decoder layers 0..num_layers-1 + final norm, no
+    lm_head) in `dtype` on `device`, in eval mode with `use_cache=False`. The layers past
+    `num_layers` are neither built nor read."""
+    config = text_config(path)
+    if not 0 < num_layers <= config.num_hidden_layers:
+        raise ValueError(f"cannot keep {num_layers} of the target's {config.num_hidden_layers} layers")
+    config.num_hidden_layers = num_layers
+    if getattr(config, "layer_types", None) is not None:
+        config.layer_types = config.layer_types[:num_layers]
+    # A DynamicCache would be created (and packing detection disabled) if use_cache were left on.
+    config.use_cache = False
+    with _quiet_transformers():
+        model = AutoModel.from_pretrained(str(path), config=config, dtype=dtype, device_map=device,
+                                          attn_implementation=attn_implementation)
+    model.eval().requires_grad_(False)
+    return model
+
+
+def load_causal_lm(path: str | Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """The whole target with its lm_head, for generating synthetic responses."""
+    from transformers import AutoModelForCausalLM
+
+    with _quiet_transformers():
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, device_map=device)
+    return model.eval().requires_grad_(False)
+
+
+def ensure_target(path: str, init: str, architecture: dict[str, Any] | None, seed: int) -> None:
+    """Make sure a loadable checkpoint is at `path`: build the embedded model there
+    (`init=embedded`) or check that the given checkpoint exists. Rank 0 only."""
+    if init == "embedded":
+        build_embedded(path, architecture or {}, seed)
+    elif not (Path(path) / "config.json").exists():
+        raise FileNotFoundError(f"config key `model.path`: {path} is not a Hugging Face checkpoint dir "
+                                "(no config.json); point model.path at the downloaded checkpoint")
