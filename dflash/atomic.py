@@ -6,6 +6,7 @@ torn one, after a crash, a kill -9 or a full disk.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -35,7 +36,8 @@ def write_bytes_atomic(path: Path, data: bytes | memoryview) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
         raise OSError(exc.errno, f"could not write {path}: {exc.strerror or exc}") from exc
     fsync_dir(path.parent)
 

@@ -142,7 +142,9 @@ def init_runtime(run_dir: str, device: str, barrier_timeout_s: float, poll_s: fl
     `device`: `auto` | `cpu` | `cuda`. Called once by every rank."""
     from accelerate import PartialState
 
-    state = PartialState(cpu=device == "cpu")
+    # Without CUDA, PartialState(cpu=False) under torchrun would leave every rank thinking it is
+    # alone; cpu=True makes it a gloo group of all ranks.
+    state = PartialState(cpu=device == "cpu" or not torch.cuda.is_available())
     if device == "cuda" and state.device.type != "cuda":
         raise RuntimeError("extract.device=cuda but this rank has no CUDA device; use extract.device=auto")
     run_path = Path(run_dir)

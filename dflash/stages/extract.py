@@ -101,11 +101,11 @@ def extract(cfg: Config, rt: Runtime) -> None:
     capture = HiddenStateCapture(model, layer_ids, getattr(torch, cfg.extract.dtype))
     writer = ShardWriter(states_dir, rt.launch_id, rt.rank, cfg.extract.shard_max_bytes,
                          cfg.extract.writer_queue_batches)
+    wandb_run = WandbRun(cfg.wandb, rt.run_dir, cfg.run_name, asdict(cfg), enabled=rt.is_main)
     progress_dir = rt.run_dir / "progress"
     meter = ProgressMeter(progress_dir, RankProgress(
         rank=rt.rank, launch_id=rt.launch_id, planned_samples=sum(len(b.sample_ids) for b in mine),
         planned_tokens=planned_tokens), cfg.extract.progress_interval_s)
-    wandb_run = WandbRun(cfg.wandb, rt.run_dir, cfg.run_name, asdict(cfg), enabled=rt.is_main)
 
     def log_progress() -> None:
         wandb_run.log({**summarize(read_progress(progress_dir, rt.launch_id, rt.world_size),

@@ -20,7 +20,11 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoModel, PretrainedConfig
 
+from dflash.atomic import read_json, write_json_atomic
+
 log = logging.getLogger(__name__)
+
+EMBEDDED_RECORD = "dflash_embedded.json"
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,7 @@ def build_embedded(path: str | Path, architecture: dict[str, Any], seed: int) ->
     Rank 0 only."""
     path = Path(path)
     if (path / "config.json").exists():
+        _check_architecture(path, architecture, seed)
         return
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
@@ -80,9 +85,23 @@ def build_embedded(path: str | Path, architecture: dict[str, Any], seed: int) ->
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
+    write_json_atomic(tmp / EMBEDDED_RECORD, {"architecture": architecture, "seed": seed})
     tmp.rename(path)
     log.info("built the embedded target (%s parameters, seed %d) at %s",
              f"{sum(p.numel() for p in model.parameters()):,}", seed, path)
+
+
+def _check_architecture(path: Path, architecture: dict[str, Any], seed: int) -> None:
+    """An embedded checkpoint already at `path` must have been built from `architecture` and
+    `seed` (recorded in `dflash_embedded.json` beside its config)."""
+    built = read_json(path / EMBEDDED_RECORD)
+    wanted = {"architecture": architecture, "seed": seed}
+    for key in ("seed", "architecture"):
+        if built[key] != wanted[key]:
+            differing = key if key == "seed" else "architecture." + next(
+                k for k in built[key].keys() | wanted[key].keys() if built[key].get(k) != wanted[key].get(k))
+            raise ValueError(f"the embedded target at {path} was built with another model.{differing} "
+                             f"than this run's: set model.path to another dir")
 
 
 def load_base_model(path: str | Path, num_layers: int, dtype: torch.dtype, device: torch.device,
