@@ -14,7 +14,12 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-STAGES = ("prepare", "extract")
+# What each `stage=` runs, in order; `all` is the whole pipeline in one launch.
+STAGE_SEQUENCE = {
+    "prepare": ("prepare",),
+    "extract": ("extract",),
+}
+STAGES = tuple(STAGE_SEQUENCE)
 STORE_DTYPES = ("bfloat16",)
 COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
 
@@ -124,9 +129,6 @@ class ExtractConfig:
     """Batches that may wait for the shard writer before compute blocks (backpressure)."""
     progress_interval_s: float = 5.0
     """Seconds between progress records (per-rank JSON, W&B)."""
-    device: str = "auto"
-    """`auto` (this rank's GPU if there is one, else the CPU), `cpu` or `cuda`."""
-
     def check(self) -> None:
         _require(self.token_budget > 0, "extract.token_budget", f"must be > 0, got {self.token_budget}")
         _require(self.max_batch_size > 0, "extract.max_batch_size", f"must be > 0, got {self.max_batch_size}")
@@ -138,8 +140,6 @@ class ExtractConfig:
                  f"expected one of {STORE_DTYPES}, got `{self.dtype}`")
         _require(self.shard_max_bytes > 0, "extract.shard_max_bytes", "must be > 0")
         _require(self.writer_queue_batches > 0, "extract.writer_queue_batches", "must be > 0")
-        _require(self.device in ("auto", "cpu", "cuda"), "extract.device",
-                 f"expected `auto`, `cpu` or `cuda`, got `{self.device}`")
         if self.layer_ids is not None:
             _require(len(self.layer_ids) > 0, "extract.layer_ids", "must not be empty")
             _require(len(set(self.layer_ids)) == len(self.layer_ids), "extract.layer_ids",
@@ -195,6 +195,8 @@ class Config:
     """The run's directory (derived; do not set)."""
     seed: int = 0
     """Global seed."""
+    device: str = "auto"
+    """`auto` (this rank's GPU if there is one, else the CPU), `cpu` or `cuda`."""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     extract: ExtractConfig = field(default_factory=ExtractConfig)
@@ -203,6 +205,8 @@ class Config:
 
     def check(self) -> None:
         _require(self.stage in STAGES, "stage", f"expected one of {STAGES}, got `{self.stage}`")
+        _require(self.device in ("auto", "cpu", "cuda"), "device",
+                 f"expected `auto`, `cpu` or `cuda`, got `{self.device}`")
         _require(bool(self.run_name) and "/" not in self.run_name, "run_name",
                  f"must be a non-empty name without '/', got `{self.run_name}`")
         for group in (self.model, self.data, self.extract, self.barrier, self.wandb):

@@ -9,8 +9,10 @@ Every rank runs this file; each resolves the same config and so the same run dir
 
 from __future__ import annotations
 
+import importlib
 import logging
 import sys
+from dataclasses import asdict
 
 from pathlib import Path
 
@@ -18,7 +20,9 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from dflash.config import ConfigError, register_configs, resolve_config
+from dflash.config import STAGE_SEQUENCE, Config, ConfigError, register_configs, resolve_config
+from dflash.runtime import init_runtime
+from dflash.telemetry import WandbRun
 
 log = logging.getLogger("dflash")
 
@@ -34,11 +38,21 @@ def main(dict_cfg: DictConfig) -> None:
     except ConfigError as exc:
         log.error("%s", exc)
         sys.exit(2)
-    if cfg.stage == "prepare":
-        from dflash.stages import prepare as stage
-    else:
-        from dflash.stages import extract as stage
-    stage.run(cfg)
+    run_stages(cfg)
+
+
+def run_stages(cfg: Config) -> None:
+    """Run the stages of `cfg.stage` in order, in this process: one runtime and one W&B run
+    (rank 0) for all of them. A failure is marked for the other ranks, which stop waiting."""
+    rt = init_runtime(cfg.run_dir, cfg.device, cfg.barrier.timeout_s, cfg.barrier.poll_s)
+    try:
+        with WandbRun(cfg.wandb, rt.run_dir, cfg.run_name, asdict(cfg), enabled=rt.is_main) as wandb_run:
+            for name in STAGE_SEQUENCE[cfg.stage]:
+                stage = importlib.import_module(f"dflash.stages.{name}")
+                stage.run(cfg, rt, wandb_run)
+    except BaseException as exc:
+        rt.mark_failed(exc)
+        raise
 
 
 if __name__ == "__main__":

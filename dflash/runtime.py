@@ -146,7 +146,7 @@ def init_runtime(run_dir: str, device: str, barrier_timeout_s: float, poll_s: fl
     # alone; cpu=True makes it a gloo group of all ranks.
     state = PartialState(cpu=device == "cpu" or not torch.cuda.is_available())
     if device == "cuda" and state.device.type != "cuda":
-        raise RuntimeError("extract.device=cuda but this rank has no CUDA device; use extract.device=auto")
+        raise RuntimeError("device=cuda but this rank has no CUDA device; use device=auto")
     run_path = Path(run_dir)
     try:
         (run_path / ".sync").mkdir(parents=True, exist_ok=True)

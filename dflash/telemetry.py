@@ -166,9 +166,10 @@ class WandbRun:
         Path(run_dir).mkdir(parents=True, exist_ok=True)
         self.run = wandb.init(project=cfg.project, entity=cfg.entity, group=cfg.group, tags=cfg.tags,
                               name=run_name, dir=str(run_dir), mode=self.mode, config=config)
+        # Each stage on its own x-axis, in one run.
         self.run.define_metric("extract/tokens_done")
         self.run.define_metric("extract/*", step_metric="extract/tokens_done")
-        self.run.define_metric("gpu/*", step_metric="extract/tokens_done")
+        self.run.define_metric("gpu/*", step_metric="_timestamp")
         log.info("W&B run %s (%s) in %s", self.run.id, self.mode, self.run.dir)
 
     def log(self, metrics: dict[str, Any]) -> None:

@@ -13,6 +13,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from dflash.config import Config, register_configs, resolve_config
+from dflash.main import run_stages
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))  # tests/wandb_records.py
@@ -26,7 +27,7 @@ def small_overrides(root: Path, run_name: str = "test") -> list[str]:
         f"output_root={root}", f"run_name={run_name}", f"data.prepared_dir={root}/prepared",
         "data.num_samples=48", "data.max_prompt_length=64", "data.max_response_length=24",
         "data.prompt_length_mean=32", "data.response_length_mean=16", "data.generation_batch_size=48",
-        "extract.device=cpu", "extract.token_budget=512", "extract.progress_interval_s=0.2",
+        "device=cpu", "extract.token_budget=512", "extract.progress_interval_s=0.2",
         "barrier.timeout_s=120", "barrier.poll_s=0.05", "wandb.mode=disabled",
     ]
 
@@ -39,19 +40,15 @@ def compose_config(overrides: list[str]) -> Config:
 @pytest.fixture(scope="session")
 def prepared_root(tmp_path_factory) -> Path:
     """An output root holding the embedded tiny target and a prepared synthetic dataset."""
-    from dflash.stages import prepare
-
     root = tmp_path_factory.mktemp("dflash")
-    prepare.run(compose_config(small_overrides(root, "prepare") + ["stage=prepare"]))
+    run_stages(compose_config(small_overrides(root, "prepare") + ["stage=prepare"]))
     return root
 
 
 def run_extract(root: Path, run_name: str, extra: list[str] = ()) -> Config:
     """Run stage=extract in this process (rank 0 of 1); returns its config."""
-    from dflash.stages import extract
-
-    cfg = compose_config(small_overrides(root, run_name) + list(extra))
-    extract.run(cfg)
+    cfg = compose_config(small_overrides(root, run_name) + ["stage=extract", *extra])
+    run_stages(cfg)
     return cfg
 
 

@@ -21,7 +21,6 @@ complete. Re-running the same run stores only the missing samples, whatever the 
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,7 @@ import torch
 from dflash.config import Config
 from dflash.data.batching import assign_to_ranks, plan_batches
 from dflash.data.prepare import ensure_prepared, load_prepared
-from dflash.runtime import Runtime, init_runtime
+from dflash.runtime import Runtime
 from dflash.store.consolidate import consolidate, stored_sample_ids
 from dflash.store.layers import check_layer_ids, zlab_target_layer_ids
 from dflash.store.manifest import check_compatible, new_manifest, read_manifest, write_manifest
@@ -44,16 +43,7 @@ from dflash.telemetry import (ProgressMeter, RankProgress, WandbRun, nvml_metric
 log = logging.getLogger(__name__)
 
 
-def run(cfg: Config) -> None:
-    runtime = init_runtime(cfg.run_dir, cfg.extract.device, cfg.barrier.timeout_s, cfg.barrier.poll_s)
-    try:
-        extract(cfg, runtime)
-    except BaseException as exc:
-        runtime.mark_failed(exc)  # the other ranks stop waiting for this one
-        raise
-
-
-def extract(cfg: Config, rt: Runtime) -> None:
+def run(cfg: Config, rt: Runtime, wandb_run: WandbRun) -> None:
     states_dir = rt.run_dir / "states"
     compute_dtype = getattr(torch, cfg.model.dtype)
 
@@ -101,7 +91,6 @@ def extract(cfg: Config, rt: Runtime) -> None:
     capture = HiddenStateCapture(model, layer_ids, getattr(torch, cfg.extract.dtype))
     writer = ShardWriter(states_dir, rt.launch_id, rt.rank, cfg.extract.shard_max_bytes,
                          cfg.extract.writer_queue_batches)
-    wandb_run = WandbRun(cfg.wandb, rt.run_dir, cfg.run_name, asdict(cfg), enabled=rt.is_main)
     progress_dir = rt.run_dir / "progress"
     meter = ProgressMeter(progress_dir, RankProgress(
         rank=rt.rank, launch_id=rt.launch_id, planned_samples=sum(len(b.sample_ids) for b in mine),
@@ -111,52 +100,51 @@ def extract(cfg: Config, rt: Runtime) -> None:
         wandb_run.log({**summarize(read_progress(progress_dir, rt.launch_id, rt.world_size),
                                    rt.world_size), **nvml_metrics()})
 
-    with wandb_run:
-        try:
-            for batch in mine:
-                rows = columns[[row_of[s] for s in batch.sample_ids]]
-                padded = pad_right(list(batch.sample_ids),
-                                   [ids_[: cfg.extract.max_length] for ids_ in rows["input_ids"]],
-                                   [mask[: cfg.extract.max_length] for mask in rows["loss_mask"]])
-                writer.put(capture(padded))
-                recorded = meter.update(len(batch.sample_ids), padded.num_real_tokens,
-                                        padded.num_padded_tokens, writer.stats.num_bytes,
-                                        writer.queue_depth, writer.stats.compute_wait_s)
-                if recorded and rt.is_main:
-                    log_progress()
-            stats = writer.close()
-        except BaseException:
-            writer.abort()
-            raise
-        finally:
-            capture.remove()
-        meter.close(stats.num_bytes, stats.compute_wait_s)
-        log.info("rank %d stored %d samples, %d tokens, %.1f MB in %d shards; compute waited %.1fs "
-                 "on the writer", rt.rank, stats.num_samples, stats.num_tokens, stats.num_bytes / 1e6,
-                 stats.num_shards, stats.compute_wait_s)
+    try:
+        for batch in mine:
+            rows = columns[[row_of[s] for s in batch.sample_ids]]
+            padded = pad_right(list(batch.sample_ids),
+                               [ids_[: cfg.extract.max_length] for ids_ in rows["input_ids"]],
+                               [mask[: cfg.extract.max_length] for mask in rows["loss_mask"]])
+            writer.put(capture(padded))
+            recorded = meter.update(len(batch.sample_ids), padded.num_real_tokens,
+                                    padded.num_padded_tokens, writer.stats.num_bytes,
+                                    writer.queue_depth, writer.stats.compute_wait_s)
+            if recorded and rt.is_main:
+                log_progress()
+        stats = writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        capture.remove()
+    meter.close(stats.num_bytes, stats.compute_wait_s)
+    log.info("rank %d stored %d samples, %d tokens, %.1f MB in %d shards; compute waited %.1fs "
+             "on the writer", rt.rank, stats.num_samples, stats.num_tokens, stats.num_bytes / 1e6,
+             stats.num_shards, stats.compute_wait_s)
 
-        # -- finalize: file barrier, totals check, manifest complete ----------------------
-        if not rt.is_main:
-            rt.mark("extracted", num_samples=stats.num_samples, num_tokens=stats.num_tokens)
-            rt.wait_for_main("complete")
-            return
-        barrier_wait_s = rt.barrier("extracted", on_poll=log_progress,
-                                    num_samples=stats.num_samples, num_tokens=stats.num_tokens)
-        log_progress()
-        where = consolidate(states_dir, manifest, verify_new=False)
-        check_totals(where, ids, lengths, manifest)
-        manifest["extraction"].update(num_skipped_overlong=num_skipped, num_truncated=num_truncated)
-        manifest.update(complete=True, launch_id=rt.launch_id)
-        write_manifest(states_dir, manifest)
-        rt.mark("complete")
-        wandb_run.summary({"extract/barrier_wait(s)": barrier_wait_s, "extract/complete": 1,
-                           "extract/num_samples": manifest["num_samples"],
-                           "extract/num_tokens": manifest["num_tokens"],
-                           "extract/num_skipped_overlong": num_skipped,
-                           "extract/num_truncated": num_truncated})
-        log.info("states complete: %d samples, %d tokens, %d shards in %s (rank 0 waited %.1fs at "
-                 "the barrier)", manifest["num_samples"], manifest["num_tokens"],
-                 len(manifest["shards"]), states_dir, barrier_wait_s)
+    # -- finalize: file barrier, totals check, manifest complete ----------------------
+    if not rt.is_main:
+        rt.mark("extracted", num_samples=stats.num_samples, num_tokens=stats.num_tokens)
+        rt.wait_for_main("complete")
+        return
+    barrier_wait_s = rt.barrier("extracted", on_poll=log_progress,
+                                num_samples=stats.num_samples, num_tokens=stats.num_tokens)
+    log_progress()
+    where = consolidate(states_dir, manifest, verify_new=False)
+    check_totals(where, ids, lengths, manifest)
+    manifest["extraction"].update(num_skipped_overlong=num_skipped, num_truncated=num_truncated)
+    manifest.update(complete=True, launch_id=rt.launch_id)
+    write_manifest(states_dir, manifest)
+    rt.mark("complete")
+    wandb_run.summary({"extract/barrier_wait(s)": barrier_wait_s, "extract/complete": 1,
+                       "extract/num_samples": manifest["num_samples"],
+                       "extract/num_tokens": manifest["num_tokens"],
+                       "extract/num_skipped_overlong": num_skipped,
+                       "extract/num_truncated": num_truncated})
+    log.info("states complete: %d samples, %d tokens, %d shards in %s (rank 0 waited %.1fs at "
+             "the barrier)", manifest["num_samples"], manifest["num_tokens"],
+             len(manifest["shards"]), states_dir, barrier_wait_s)
 
 
 def expected_manifest(cfg: Config, states_dir: Path) -> dict[str, Any]:

@@ -14,19 +14,14 @@ import torch
 
 from dflash.config import Config
 from dflash.data.prepare import ensure_prepared
-from dflash.runtime import init_runtime
+from dflash.runtime import Runtime
 from dflash.target.load import ensure_target
+from dflash.telemetry import WandbRun
 
 
-def run(cfg: Config) -> None:
-    rt = init_runtime(cfg.run_dir, cfg.extract.device, cfg.barrier.timeout_s, cfg.barrier.poll_s)
-
+def run(cfg: Config, rt: Runtime, wandb_run: WandbRun) -> None:
     def prepare() -> None:
         ensure_target(cfg.model.path, cfg.model.init, cfg.model.architecture, cfg.model.seed)
         ensure_prepared(cfg.data, cfg.model.path, getattr(torch, cfg.model.dtype), rt.device)
 
-    try:
-        rt.main_first("prepared", prepare)
-    except BaseException as exc:
-        rt.mark_failed(exc)
-        raise
+    rt.main_first("prepared", prepare)

@@ -33,7 +33,7 @@ def test_defaults_and_run_dir(tmp_path):
 
 def test_debug_preset(tmp_path):
     cfg = compose_config(["debug=default", f"output_root={tmp_path}"])
-    assert cfg.wandb.mode == "disabled" and cfg.extract.device == "cpu"
+    assert cfg.wandb.mode == "disabled" and cfg.device == "cpu"
 
 
 @pytest.mark.parametrize("override, key", [
@@ -68,4 +68,4 @@ def test_required_model_path(tmp_path):
 
 def test_small_overrides_compose(tmp_path):
     cfg = compose_config(small_overrides(tmp_path))
-    assert cfg.extract.device == "cpu"
+    assert cfg.device == "cpu"
