@@ -16,8 +16,11 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 # What each `stage=` runs, in order; `all` is the whole pipeline in one launch.
 STAGE_SEQUENCE = {
+    "all": ("extract", "train", "eval"),
     "prepare": ("prepare",),
     "extract": ("extract",),
+    "train": ("train",),
+    "eval": ("eval",),
 }
 STAGES = tuple(STAGE_SEQUENCE)
 STORE_DTYPES = ("bfloat16",)
@@ -50,6 +53,11 @@ class ModelConfig:
     documents the shape of the real checkpoints)."""
     seed: int = 0
     """Seed of the random weights of an embedded model."""
+    embedding_init_std: float = 0.02
+    """Embedded model: std of its token-embedding init. Qwen's 0.02 makes a random toy target's
+    greedy continuations close to noise; a larger one lets the current token dominate the
+    residual stream, so the toy behaves like a peaked real LM whose continuations a small
+    drafter can learn on a CPU."""
     dtype: str = "bfloat16"
     """Dtype the target runs in."""
     attn_implementation: str = "sdpa"
@@ -148,6 +156,131 @@ class ExtractConfig:
 
 
 @dataclass
+class DrafterConfig:
+    """The DFlash drafter's architecture (`drafter=` group). Hidden size and vocabulary come from
+    the target; `target_layer_ids` from the states' manifest."""
+
+    name: str = MISSING
+    """Preset name."""
+    num_hidden_layers: int = 5
+    """Drafter decoder layers."""
+    num_attention_heads: int = 32
+    """Query heads."""
+    num_key_value_heads: int = 8
+    """Key/value heads (GQA)."""
+    head_dim: int = 128
+    """Dimension of one head."""
+    intermediate_size: int = 17408
+    """SwiGLU MLP width."""
+    layer_types: list[str] = field(default_factory=lambda: ["sliding_attention"] * 4 + ["full_attention"])
+    """Per layer: `full_attention` (bidirectional in the block, all earlier context) or
+    `sliding_attention` (causal in the block, context within `sliding_window`)."""
+    sliding_window: int = 2048
+    """Window of the sliding layers in tokens, the query's own position included (HF semantics)."""
+    block_size: int = 16
+    """Tokens per block: the anchor plus block_size - 1 masked slots, each predicting one token."""
+    decay_gamma: float = 7.0
+    """Loss weight of slot k is exp(-(k-1)/decay_gamma) (7 for block 16, 4 for block 8)."""
+    rope_theta: float = 10000000.0
+    """RoPE base of the drafter (its own, over the full head_dim)."""
+    rms_norm_eps: float = 1e-6
+    """RMSNorm epsilon."""
+    mask_token_id: int = MISSING
+    """Token id of the masked slots; must be a row of the target's embedding (248070 for Qwen3.5/3.6)."""
+    max_position_embeddings: int = 262144
+    """Written to the export for serving engines."""
+    target_layer_ids: Optional[list[int]] = None
+    """Layer ids the drafter is built for; must equal the states' (None: take the states')."""
+
+    def check(self) -> None:
+        for key in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                    "intermediate_size", "sliding_window", "block_size"):
+            _require(getattr(self, key) > 0, f"drafter.{key}", f"must be > 0, got {getattr(self, key)}")
+        _require(self.block_size >= 2, "drafter.block_size", "must be >= 2 (an anchor and a masked slot)")
+        _require(self.num_attention_heads % self.num_key_value_heads == 0, "drafter.num_key_value_heads",
+                 "must divide drafter.num_attention_heads")
+        _require(len(self.layer_types) == self.num_hidden_layers, "drafter.layer_types",
+                 f"has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
+        bad = [t for t in self.layer_types if t not in ("full_attention", "sliding_attention")]
+        _require(not bad, "drafter.layer_types", f"unknown layer types {bad}")
+        _require(self.decay_gamma > 0, "drafter.decay_gamma", "must be > 0")
+        _require(self.mask_token_id >= 0, "drafter.mask_token_id", "must be >= 0")
+
+
+@dataclass
+class TrainConfig:
+    """The train stage (`train.*`)."""
+
+    num_anchors: int = 512
+    """Anchors (blocks) per sequence, drawn from response positions, re-drawn every epoch."""
+    num_epochs: int = 6
+    """Passes over the training split."""
+    max_steps: Optional[int] = None
+    """Stop after this many optimizer steps (None: `num_epochs`)."""
+    lr: float = 6e-4
+    """Peak learning rate of AdamW."""
+    warmup_fraction: float = 0.04
+    """Fraction of the steps with linear warm-up; cosine decay to 0 after."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    """AdamW betas."""
+    grad_clip: float = 1.0
+    """Max global gradient norm."""
+    grad_accum_steps: int = 1
+    """Sequences per rank per optimizer step (one sequence per micro-step)."""
+    eval_fraction: float = 0.05
+    """Fraction of sample ids held out (never trained on), chosen by a hash of the id."""
+    checkpoint_every_steps: int = 500
+    """Optimizer steps between checkpoints (one more at the end)."""
+    keep_checkpoints: int = 2
+    """Newest checkpoints kept."""
+    num_workers: int = 2
+    """Data-loader worker processes per rank."""
+    ce_chunk_rows: int = 1024
+    """Rows of logits computed at once by the chunked cross-entropy."""
+    log_every_steps: int = 10
+    """Optimizer steps between W&B records."""
+    mixed_precision: str = "auto"
+    """`auto` (bf16 on GPU, none on CPU), `bf16` or `no`."""
+    attention: str = "auto"
+    """`auto` (flex attention on GPU, dense-mask SDPA on CPU), `flex` or `sdpa`."""
+    export_dtype: str = "bfloat16"
+    """Dtype of the exported weights."""
+
+    def check(self) -> None:
+        for key in ("num_anchors", "num_epochs", "grad_accum_steps", "checkpoint_every_steps",
+                    "keep_checkpoints", "ce_chunk_rows", "log_every_steps"):
+            _require(getattr(self, key) > 0, f"train.{key}", f"must be > 0, got {getattr(self, key)}")
+        _require(self.max_steps is None or self.max_steps > 0, "train.max_steps", "must be > 0 or null")
+        _require(self.lr > 0, "train.lr", "must be > 0")
+        _require(0 <= self.warmup_fraction < 1, "train.warmup_fraction", "must be in [0, 1)")
+        _require(0 < self.eval_fraction < 1, "train.eval_fraction", "must be in (0, 1)")
+        _require(self.num_workers >= 0, "train.num_workers", "must be >= 0")
+        _require(len(self.adam_betas) == 2, "train.adam_betas", "needs two values")
+        _require(self.mixed_precision in ("auto", "bf16", "no"), "train.mixed_precision",
+                 f"expected `auto`, `bf16` or `no`, got `{self.mixed_precision}`")
+        _require(self.attention in ("auto", "flex", "sdpa"), "train.attention",
+                 f"expected `auto`, `flex` or `sdpa`, got `{self.attention}`")
+        _require(self.export_dtype in COMPUTE_DTYPES, "train.export_dtype",
+                 f"expected one of {COMPUTE_DTYPES}, got `{self.export_dtype}`")
+
+
+@dataclass
+class EvalConfig:
+    """The eval stage (`eval.*`): teacher-forced acceptance on the held-out split."""
+
+    max_anchors: int = 512
+    """Blocks per held-out sequence, evenly spaced over its response positions."""
+    max_samples: Optional[int] = None
+    """Held-out samples evaluated at most (None: all)."""
+
+    def check(self) -> None:
+        _require(self.max_anchors > 0, "eval.max_anchors", "must be > 0")
+        _require(self.max_samples is None or self.max_samples > 0, "eval.max_samples", "must be > 0 or null")
+
+
+@dataclass
 class BarrierConfig:
     """File barriers between ranks."""
 
@@ -185,8 +318,8 @@ class WandbConfig:
 class Config:
     """The whole run. `run_dir` = `${output_root}/${run_name}`, the same on every rank."""
 
-    stage: str = "extract"
-    """Which stage to run: prepare | extract."""
+    stage: str = "all"
+    """Which stage to run: all (extract -> train -> eval) | prepare | extract | train | eval."""
     run_name: str = "demo"
     """Name of the run; the same name resumes the same run."""
     output_root: str = "outputs"
@@ -200,6 +333,9 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     extract: ExtractConfig = field(default_factory=ExtractConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     barrier: BarrierConfig = field(default_factory=BarrierConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
@@ -209,7 +345,8 @@ class Config:
                  f"expected `auto`, `cpu` or `cuda`, got `{self.device}`")
         _require(bool(self.run_name) and "/" not in self.run_name, "run_name",
                  f"must be a non-empty name without '/', got `{self.run_name}`")
-        for group in (self.model, self.data, self.extract, self.barrier, self.wandb):
+        for group in (self.model, self.data, self.extract, self.drafter, self.train, self.eval,
+                      self.barrier, self.wandb):
             group.check()
 
 

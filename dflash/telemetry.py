@@ -172,6 +172,12 @@ class WandbRun:
         self.run.define_metric("gpu/*", step_metric="_timestamp")
         log.info("W&B run %s (%s) in %s", self.run.id, self.mode, self.run.dir)
 
+    def define_step_axis(self, stage: str) -> None:
+        """Plot `<stage>/*` against `<stage>/step`."""
+        if self.run is not None:
+            self.run.define_metric(f"{stage}/step")
+            self.run.define_metric(f"{stage}/*", step_metric=f"{stage}/step")
+
     def log(self, metrics: dict[str, Any]) -> None:
         if self.run is not None:
             self.run.log(metrics)

@@ -49,7 +49,7 @@ def run(cfg: Config, rt: Runtime, wandb_run: WandbRun) -> None:
 
     # -- validate and prepare: rank 0 builds what is missing, the others wait ---------------
     def prepare() -> None:
-        ensure_target(cfg.model.path, cfg.model.init, cfg.model.architecture, cfg.model.seed)
+        ensure_target(cfg.model)
         ensure_prepared(cfg.data, cfg.model.path, compute_dtype, rt.device)
         expected = expected_manifest(cfg, states_dir)
         manifest = read_manifest(states_dir)

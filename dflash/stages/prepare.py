@@ -21,7 +21,7 @@ from dflash.telemetry import WandbRun
 
 def run(cfg: Config, rt: Runtime, wandb_run: WandbRun) -> None:
     def prepare() -> None:
-        ensure_target(cfg.model.path, cfg.model.init, cfg.model.architecture, cfg.model.seed)
+        ensure_target(cfg.model)
         ensure_prepared(cfg.data, cfg.model.path, getattr(torch, cfg.model.dtype), rt.device)
 
     rt.main_first("prepared", prepare)

@@ -21,6 +21,7 @@ import transformers
 from transformers import AutoConfig, AutoModel, PretrainedConfig
 
 from dflash.atomic import read_json, write_json_atomic
+from dflash.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -68,40 +69,44 @@ def target_info(path: str | Path) -> TargetInfo:
                       config_sha256=hashlib.sha256(config_bytes).hexdigest())
 
 
-def build_embedded(path: str | Path, architecture: dict[str, Any], seed: int) -> None:
-    """Build a `Qwen3_5ForCausalLM` of `architecture` with weights drawn from `seed` and save it
-    at `path` (config.json + model.safetensors) unless it is already there. The checkpoint is
-    written to a temporary dir and renamed, so a killed build leaves nothing that looks valid.
-    Rank 0 only."""
+def build_embedded(path: str | Path, architecture: dict[str, Any], seed: int, embedding_init_std: float) -> None:
+    """Build a `Qwen3_5ForCausalLM` of `architecture` with weights drawn from `seed` (token
+    embeddings with std `embedding_init_std`) and save it at `path` (config.json +
+    model.safetensors) unless it is already there. The checkpoint is written to a temporary dir
+    and renamed, so a killed build leaves nothing that looks valid. Rank 0 only."""
     path = Path(path)
+    record = {"architecture": architecture, "seed": seed, "embedding_init_std": embedding_init_std}
     if (path / "config.json").exists():
-        _check_architecture(path, architecture, seed)
+        _check_embedded(path, record)
         return
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     config = Qwen3_5TextConfig(**architecture)
     torch.manual_seed(seed)
     model = Qwen3_5ForCausalLM(config)
+    with torch.no_grad():
+        torch.nn.init.normal_(model.model.embed_tokens.weight, std=embedding_init_std)
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
-    write_json_atomic(tmp / EMBEDDED_RECORD, {"architecture": architecture, "seed": seed})
+    write_json_atomic(tmp / EMBEDDED_RECORD, record)
     tmp.rename(path)
     log.info("built the embedded target (%s parameters, seed %d) at %s",
              f"{sum(p.numel() for p in model.parameters()):,}", seed, path)
 
 
-def _check_architecture(path: Path, architecture: dict[str, Any], seed: int) -> None:
-    """An embedded checkpoint already at `path` must have been built from `architecture` and
-    `seed` (recorded in `dflash_embedded.json` beside its config)."""
+def _check_embedded(path: Path, wanted: dict[str, Any]) -> None:
+    """An embedded checkpoint already at `path` must have been built from the same settings
+    (recorded in `dflash_embedded.json` beside its config)."""
     built = read_json(path / EMBEDDED_RECORD)
-    wanted = {"architecture": architecture, "seed": seed}
-    for key in ("seed", "architecture"):
-        if built[key] != wanted[key]:
-            differing = key if key == "seed" else "architecture." + next(
-                k for k in built[key].keys() | wanted[key].keys() if built[key].get(k) != wanted[key].get(k))
-            raise ValueError(f"the embedded target at {path} was built with another model.{differing} "
-                             f"than this run's: set model.path to another dir")
+    for key in wanted:
+        if built.get(key) == wanted[key]:
+            continue
+        if key == "architecture":
+            key += "." + next(k for k in built[key].keys() | wanted[key].keys()
+                              if built[key].get(k) != wanted[key].get(k))
+        raise ValueError(f"the embedded target at {path} was built with another model.{key} than "
+                         "this run's: set model.path to another dir")
 
 
 def load_base_model(path: str | Path, num_layers: int, dtype: torch.dtype, device: torch.device,
@@ -133,11 +138,12 @@ def load_causal_lm(path: str | Path, dtype: torch.dtype, device: torch.device) -
     return model.eval().requires_grad_(False)
 
 
-def ensure_target(path: str, init: str, architecture: dict[str, Any] | None, seed: int) -> None:
-    """Make sure a loadable checkpoint is at `path`: build the embedded model there
+def ensure_target(cfg: ModelConfig) -> None:
+    """Make sure a loadable checkpoint is at `cfg.path`: build the embedded model there
     (`init=embedded`) or check that the given checkpoint exists. Rank 0 only."""
-    if init == "embedded":
-        build_embedded(path, architecture or {}, seed)
+    path = cfg.path
+    if cfg.init == "embedded":
+        build_embedded(path, cfg.architecture or {}, cfg.seed, cfg.embedding_init_std)
     elif not (Path(path) / "config.json").exists():
         raise FileNotFoundError(f"config key `model.path`: {path} is not a Hugging Face checkpoint dir "
                                 "(no config.json); point model.path at the downloaded checkpoint")

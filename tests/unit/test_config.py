@@ -25,7 +25,7 @@ def test_every_experiment_composes(experiment, tmp_path):
 
 def test_defaults_and_run_dir(tmp_path):
     cfg = compose_config([f"output_root={tmp_path}"])
-    assert cfg.stage == "extract" and cfg.run_name == "demo"
+    assert cfg.stage == "all" and cfg.run_name == "demo"
     assert cfg.run_dir == str(tmp_path / "demo")
     assert cfg.model.name == "tiny" and cfg.data.source == "synthetic"
     assert Path(cfg.data.prepared_dir) == tmp_path / "demo" / "prepared"

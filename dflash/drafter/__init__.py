@@ -1,0 +1,1 @@
+"""The DFlash drafter: model, objective, export, data."""
