@@ -270,13 +270,13 @@ class TrainConfig:
 class EvalConfig:
     """The eval stage (`eval.*`): teacher-forced acceptance on the held-out split."""
 
-    max_anchors: int = 512
-    """Blocks per held-out sequence, evenly spaced over its response positions."""
+    anchors_per_forward: int = 512
+    """Every response position of a held-out sequence anchors a block; this many per forward pass."""
     max_samples: Optional[int] = None
     """Held-out samples evaluated at most (None: all)."""
 
     def check(self) -> None:
-        _require(self.max_anchors > 0, "eval.max_anchors", "must be > 0")
+        _require(self.anchors_per_forward > 0, "eval.anchors_per_forward", "must be > 0")
         _require(self.max_samples is None or self.max_samples > 0, "eval.max_samples", "must be > 0 or null")
 
 

@@ -33,16 +33,6 @@ def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.G
     return valid[chosen].sort().values
 
 
-def spaced_anchors(loss_mask: torch.Tensor, max_anchors: int) -> torch.Tensor:
-    """Deterministic anchors for evaluation: every response position, or `max_anchors` evenly
-    spaced ones: [N] int64."""
-    valid = valid_anchor_positions(loss_mask)
-    if len(valid) <= max_anchors:
-        return valid
-    index = torch.linspace(0, len(valid) - 1, max_anchors).round().long().unique()
-    return valid[index]
-
-
 @dataclass
 class Blocks:
     """The blocks of one sequence. All [N, B] except where said."""

@@ -42,19 +42,22 @@ def run(cfg: Config, rt: Runtime, wandb_run: WandbRun) -> None:
     use_flex = cfg.train.attention == "flex" or (cfg.train.attention == "auto" and rt.device.type == "cuda")
     mine = StatesDataset(rt.run_dir / "states", heldout_ids[rt.rank::rt.world_size])
     local = evaluate_acceptance(drafter, embed_tokens, lm_head, (mine[i] for i in range(len(mine))),
-                                cfg.eval.max_anchors, cfg.train.ce_chunk_rows, use_flex)
+                                cfg.eval.anchors_per_forward, cfg.train.ce_chunk_rows, use_flex)
     summed = local.as_tensor(rt.device)
     if rt.world_size > 1:
         summed = reduce(summed, reduction="sum")
     totals = AcceptanceTotals.from_tensor(summed.cpu(), drafter.arch.block_size)
     if not rt.is_main:
         return
-    result = {"tau_sim": totals.tau_sim, "accuracy_per_slot": totals.accuracy_per_slot,
+    result = {"tau_sim": totals.tau_sim, "tau_per_position": totals.tau_per_position,
+              "accuracy_per_slot": totals.accuracy_per_slot, "num_steps": totals.walk_steps,
               "num_blocks": totals.num_blocks, "num_sequences": totals.num_sequences,
               "num_skipped_no_response": totals.num_skipped, "num_heldout_samples": len(heldout_ids),
-              "block_size": drafter.arch.block_size, "max_anchors": cfg.eval.max_anchors}
+              "block_size": drafter.arch.block_size}
     write_json_atomic(rt.run_dir / "eval.json", result)
-    wandb_run.summary({"eval/tau_sim": totals.tau_sim, "eval/num_blocks": totals.num_blocks,
+    wandb_run.summary({"eval/tau_sim": totals.tau_sim, "eval/tau_per_position": totals.tau_per_position,
+                       "eval/num_steps": totals.walk_steps,
                        **{f"eval/accuracy/slot_{k:02d}": a for k, a in enumerate(totals.accuracy_per_slot, 1)}})
-    log.info("held-out tau_sim %.3f over %d blocks of %d sequences; slot accuracy %s", totals.tau_sim,
-             totals.num_blocks, totals.num_sequences, [round(a, 3) for a in totals.accuracy_per_slot])
+    log.info("held-out tau_sim %.3f (%d decoding steps of %d sequences; %.3f averaged over all %d "
+             "positions); slot accuracy %s", totals.tau_sim, totals.walk_steps, totals.num_sequences,
+             totals.tau_per_position, totals.num_blocks, [round(a, 3) for a in totals.accuracy_per_slot])

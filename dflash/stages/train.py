@@ -139,8 +139,8 @@ def run(cfg: Config, rt: Runtime, wandb_run: WandbRun) -> None:
                     metrics = meter.reduce_and_reset(accelerator)
                     wandb_run.log({"train/step": step, "train/epoch": epoch, "train/lr": scheduler.get_last_lr()[0],
                                    **metrics, **nvml_metrics()})
-                    log.info("step %d/%d loss %.4f tau_sim %.3f", step, total_steps, metrics["train/loss"],
-                             metrics["train/tau_sim"])
+                    log.info("step %d/%d loss %.4f acceptance per block %.3f", step, total_steps,
+                             metrics["train/loss"], metrics["train/acceptance_per_block"])
                 done = step >= total_steps
                 if step % cfg.train.checkpoint_every_steps == 0 or done:
                     save_checkpoint(accelerator, ckpt_root, step, epoch, micro, arch, cfg.train.keep_checkpoints)
@@ -166,7 +166,7 @@ def anchor_seed(seed: int, epoch: int, sample_id: int) -> int:
 
 
 class TrainMeter:
-    """Sums since the last log: loss, per-slot accuracy, tau_sim on the training blocks,
+    """Sums since the last log: loss, per-slot accuracy, acceptance length per training block,
     throughput, data-loader wait."""
 
     def __init__(self, block_size: int):
@@ -207,7 +207,7 @@ class TrainMeter:
         metrics = {
             "train/loss": loss_sum / max(num_micro, 1),
             "train/grad_norm": self.grad_norm,
-            "train/tau_sim": tau_sum / num_blocks if num_blocks else float("nan"),
+            "train/acceptance_per_block": tau_sum / num_blocks if num_blocks else float("nan"),
             "train/throughput(tokens/s)": tokens / elapsed_mean if elapsed_mean else 0.0,
             "train/throughput(samples/s)": num_micro / elapsed_mean if elapsed_mean else 0.0,
             "train/dataloader_wait(fraction)": wait_s / elapsed_sum if elapsed_sum else 0.0,

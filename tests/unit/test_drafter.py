@@ -10,7 +10,7 @@ from dflash.config import DrafterConfig
 from dflash.drafter.export import IncompatibleDrafter, check_states_fit, drafter_arch, export_drafter, load_export
 from dflash.drafter.model import DFlashDrafter
 from dflash.drafter.objective import (acceptance_lengths, chunked_cross_entropy, decay_weights, make_blocks,
-                                      run_blocks, sample_anchors, spaced_anchors, training_masks, visible)
+                                      run_blocks, sample_anchors, training_masks, visible)
 
 H, V, F = 64, 300, 3
 
@@ -151,8 +151,6 @@ def test_anchors_come_from_response_positions_and_are_redrawn():
     assert all(loss_mask[p] for p in a.tolist()) and not torch.equal(a, b)
     assert sample_anchors(loss_mask, 500, torch.Generator()).tolist() == list(range(50, 150))
     assert len(sample_anchors(torch.zeros(10, dtype=torch.bool), 5, torch.Generator())) == 0
-    spaced = spaced_anchors(loss_mask, 10)
-    assert len(spaced) == 10 and spaced[0] == 50 and spaced[-1] == 149
 
 
 def test_decay_weights():
@@ -224,3 +222,11 @@ def test_incompatible_drafter_configs_name_the_key():
         check_states_fit(arch, manifest(hidden=128))
     with pytest.raises(IncompatibleDrafter, match="target_layer_ids"):
         check_states_fit(arch, manifest(layer_ids=(2, 4, 6)))
+
+
+def test_decoding_walk_visits_what_speculative_decoding_visits():
+    from dflash.drafter.evaluate import decoding_walk
+
+    lengths = {10: 3, 11: 8, 12: 1, 13: 2, 14: 1, 15: 5, 16: 1, 30: 2, 31: 1}
+    # 10 -> 13 -> 15 -> (20: past the turn) next response position 30 -> 32: done
+    assert decoding_walk(lengths) == [3, 2, 5, 2]
