@@ -156,8 +156,10 @@ def score_blocks(drafter_out: torch.Tensor, blocks: Blocks, lm_head: torch.Tenso
     weights = decay_weights(block_size, gamma, drafter_out.device).repeat(num_blocks)[rows]
     correct = torch.zeros(num_blocks * block_size, dtype=torch.bool, device=drafter_out.device)
     correct[rows] = correct_rows
-    return BlockScores((ce * weights).sum(), weights.sum(), correct.view(num_blocks, block_size),
-                       blocks.label_valid)
+    weighted_ce_sum = (ce * weights).sum()
+    if len(rows) == 0:  # nothing to learn here; a zero still reaching every parameter keeps DDP in step
+        weighted_ce_sum = drafter_out.sum() * 0.0
+    return BlockScores(weighted_ce_sum, weights.sum(), correct.view(num_blocks, block_size), blocks.label_valid)
 
 
 def acceptance_lengths(correct: torch.Tensor, label_valid: torch.Tensor) -> torch.Tensor:
