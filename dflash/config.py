@@ -23,7 +23,7 @@ STAGE_SEQUENCE = {
     "eval": ("eval",),
 }
 STAGES = tuple(STAGE_SEQUENCE)
-STORE_DTYPES = ("bfloat16",)
+STORE_DTYPES = ("bfloat16", "float8_e4m3fn")
 COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
 
 
@@ -130,7 +130,8 @@ class ExtractConfig:
     """`truncate` a sample above `max_length` to its first `max_length` tokens, or `skip` it.
     Either way it is counted and reported."""
     dtype: str = "bfloat16"
-    """Dtype of the stored hidden states."""
+    """Dtype of the stored hidden states: `bfloat16`, or `float8_e4m3fn` with one float32 scale
+    per token and layer (half the bytes; the reader dequantizes)."""
     shard_max_bytes: int = 1 << 30
     """A shard is closed once its hidden states reach this many bytes."""
     writer_queue_batches: int = 4

@@ -81,14 +81,15 @@ def run(cfg: Config, rt: Runtime, wandb_run: WandbRun) -> None:
              len(batches), rt.world_size, len(mine), sum(len(b.sample_ids) for b in mine),
              planned_tokens, num_skipped + num_truncated,
              "skipped" if cfg.extract.overlong == "skip" else "truncated")
-    bytes_per_token = len(layer_ids) * manifest["target"]["hidden_size"] * torch.finfo(
-        getattr(torch, cfg.extract.dtype)).bits // 8
+    store_dtype = getattr(torch, cfg.extract.dtype)
+    bytes_per_token = len(layer_ids) * (manifest["target"]["hidden_size"] * torch.finfo(store_dtype).bits // 8
+                                        + (4 if store_dtype == torch.float8_e4m3fn else 0))
     log.info("layer ids %s, %d bytes per token stored", layer_ids, bytes_per_token)
 
     # -- loop ------------------------------------------------------------------------------
     model = load_base_model(cfg.model.path, max(layer_ids) + 1, compute_dtype, rt.device,
                             cfg.model.attn_implementation)
-    capture = HiddenStateCapture(model, layer_ids, getattr(torch, cfg.extract.dtype))
+    capture = HiddenStateCapture(model, layer_ids, store_dtype, cfg.extract.writer_queue_batches + 2)
     writer = ShardWriter(states_dir, rt.launch_id, rt.rank, cfg.extract.shard_max_bytes,
                          cfg.extract.writer_queue_batches)
     progress_dir = rt.run_dir / "progress"

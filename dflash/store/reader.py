@@ -30,7 +30,7 @@ class IncompleteStates(RuntimeError):
 class StoredSample:
     sample_id: int
     hidden_states: torch.Tensor
-    """[T, n_layers, H] in the manifest's dtype; layer k is `layer_ids[k]` (z-lab convention)."""
+    """[T, n_layers, H] bfloat16 (fp8 shards dequantized); layer k is `layer_ids[k]` (z-lab convention)."""
     input_ids: torch.Tensor
     """[T] int32."""
     loss_mask: torch.Tensor
@@ -89,9 +89,12 @@ class StateReader:
         except KeyError:
             raise KeyError(f"sample id {sample_id} is not in {self.states_dir}") from None
         f = self._open(index)
+        hidden = f.get_slice("hidden_states")[start:end]
+        if hidden.dtype == torch.float8_e4m3fn:
+            hidden = (hidden.float() * f.get_slice("hidden_scales")[start:end][..., None]).to(torch.bfloat16)
         return StoredSample(
             sample_id=sample_id,
-            hidden_states=f.get_slice("hidden_states")[start:end],
+            hidden_states=hidden,
             input_ids=f.get_slice("input_ids")[start:end],
             loss_mask=f.get_slice("loss_mask")[start:end])
 

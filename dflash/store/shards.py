@@ -2,6 +2,8 @@
 
 A shard is one safetensors file holding many samples packed end to end (design.md §3):
   hidden_states [T, n_layers, H]  bf16     rows of all samples, in `sample_ids` order
+                                  (or float8_e4m3fn, then also
+  hidden_scales [T, n_layers]     float32  value = hidden_states * hidden_scales)
   input_ids     [T]               int32
   loss_mask     [T]               uint8    1 on tokens the drafter learns to predict
   offsets       [n+1]             int64    sample k is rows offsets[k]:offsets[k+1]

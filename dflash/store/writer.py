@@ -15,6 +15,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors.torch import save as safetensors_save
@@ -25,20 +26,57 @@ from dflash.store.shards import append_journal, journal_path, shard_name
 log = logging.getLogger(__name__)
 
 
+class BadHiddenStates(RuntimeError):
+    """A captured row is non-finite or all zero; the message names the sample, token and layer."""
+
+
 @dataclass
 class CapturedBatch:
     """One batch of captured states on the host, right-padded.
 
-    hidden_BSLH: [B, S, n_layers, H] in the store dtype; rows past a sample's length are padding.
-    input_ids_BS: [B, S] int; loss_mask_BS: [B, S] uint8; lengths: [B] real lengths;
-    sample_ids: [B].
+    hidden_BSLH: [B, S, n_layers, H] in the store dtype (bfloat16, or float8_e4m3fn with
+    scales_BSL [B, S, n_layers] float32: value = hidden * scale); rows past a sample's length
+    are padding. input_ids_BS [B, S] int; loss_mask_BS [B, S] uint8; lengths, sample_ids [B].
+    Until `wait` returns, the host tensors may still be filling (asynchronous copy).
     """
 
     hidden_BSLH: torch.Tensor
+    scales_BSL: torch.Tensor | None
     input_ids_BS: torch.Tensor
     loss_mask_BS: torch.Tensor
     lengths: list[int]
     sample_ids: list[int]
+    layer_ids: list[int]
+    num_bad_rows: torch.Tensor | None = None
+    """[1] int64 on the host: rows of real tokens found non-finite or all zero on the device."""
+    ready: "torch.cuda.Event | None" = None
+    release: Callable[[], None] | None = None
+    """Hands the pinned host buffer back once the rows are copied out."""
+
+    def wait(self) -> None:
+        """Block until the host tensors are filled; raise BadHiddenStates on a bad row."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        if self.num_bad_rows is not None and int(self.num_bad_rows[0]) > 0:
+            self._raise_bad_row()
+
+    def _raise_bad_row(self) -> None:
+        hidden = self.hidden_BSLH.float()
+        if self.scales_BSL is not None:
+            hidden = hidden * self.scales_BSL[..., None]
+        for b, (length, sample_id) in enumerate(zip(self.lengths, self.sample_ids)):
+            rows = hidden[b, :length]
+            bad_SL = ~torch.isfinite(rows).all(-1) | (rows == 0).all(-1)
+            if self.scales_BSL is not None:
+                bad_SL |= ~torch.isfinite(self.scales_BSL[b, :length])
+            if bad_SL.any():
+                s, k = (int(i) for i in bad_SL.nonzero()[0])
+                what = "non-finite" if not torch.isfinite(rows[s, k]).all() or (
+                    self.scales_BSL is not None and not torch.isfinite(self.scales_BSL[b, s, k])) else "all-zero"
+                raise BadHiddenStates(
+                    f"sample id {sample_id}: {what} hidden state at token {s} of layer id {self.layer_ids[k]} "
+                    f"({int(self.num_bad_rows[0])} bad rows in its batch); nothing of this batch was stored")
+        raise BadHiddenStates(f"{int(self.num_bad_rows[0])} bad rows in the batch of sample ids {self.sample_ids}")
 
 
 @dataclass
@@ -70,7 +108,8 @@ class ShardWriter:
         self.stats = WriterStats()
         self._queue: queue.Queue[CapturedBatch | None] = queue.Queue(maxsize=queue_batches)
         self._error: BaseException | None = None
-        self._pending: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._abort = False
+        self._pending: list[tuple] = []  # (sample id, hidden [T,L,H], ids [T], mask [T], scales [T,L] | None)
         self._pending_bytes = 0
         self._thread = threading.Thread(target=self._run, name=f"shard-writer-r{rank}", daemon=True)
         self._thread.start()
@@ -101,7 +140,7 @@ class ShardWriter:
 
     def abort(self) -> None:
         """Stop without writing the pending samples (after an error elsewhere)."""
-        self._pending.clear()
+        self._abort = True
         if self._thread.is_alive():
             try:
                 self._queue.put_nowait(None)
@@ -115,8 +154,9 @@ class ShardWriter:
     def _run(self) -> None:
         try:
             while (batch := self._queue.get()) is not None:
-                self._add(batch)
-            if self._pending:
+                if not self._abort:
+                    self._add(batch)
+            if self._pending and not self._abort:
                 self._flush()
         except BaseException as exc:  # handed to the compute thread
             self._error = exc
@@ -128,13 +168,20 @@ class ShardWriter:
                     break
 
     def _add(self, batch: CapturedBatch) -> None:
+        batch.wait()  # the device-to-host copy is done, and no row is bad
+        reused = batch.release is not None  # rows must leave the pooled host buffer
         for b, (length, sample_id) in enumerate(zip(batch.lengths, batch.sample_ids)):
             hidden = batch.hidden_BSLH[b, :length]
+            scales = batch.scales_BSL[b, :length] if batch.scales_BSL is not None else None
+            if reused:
+                hidden, scales = hidden.clone(), scales.clone() if scales is not None else None
             self._pending.append((sample_id, hidden, batch.input_ids_BS[b, :length],
-                                  batch.loss_mask_BS[b, :length]))
+                                  batch.loss_mask_BS[b, :length], scales))
             self._pending_bytes += hidden.numel() * hidden.element_size()
             if self._pending_bytes >= self.shard_max_bytes:
                 self._flush()
+        if reused:
+            batch.release()
 
     def _flush(self) -> None:
         start = time.monotonic()
@@ -149,6 +196,8 @@ class ShardWriter:
             "offsets": offsets,
             "sample_ids": torch.tensor([s[0] for s in samples], dtype=torch.int64),
         }
+        if samples[0][4] is not None:  # fp8: value = hidden_states * hidden_scales
+            tensors["hidden_scales"] = torch.cat([s[4] for s in samples]).contiguous()
         data = safetensors_save(tensors, metadata={"format": "pt", "dflash_format_version": "1"})
         rel = shard_name(self.launch_id, self.rank, self.stats.num_shards)
         write_bytes_atomic(self.states_dir / rel, data)

@@ -105,4 +105,29 @@ def test_bad_rows_fail_with_the_sample_id(prepared_root, poison, what):
     capture = HiddenStateCapture(base, [1, 3], torch.bfloat16)
     batch = pad_right([41, 42], [[1, 2, 3], [4, 5]], [[0, 1, 1], [0, 1]])
     with pytest.raises(BadHiddenStates, match=f"sample id 41: {what} hidden state at token 0 of layer id"):
-        capture(batch)
+        capture(batch).wait()
+
+
+def test_fp8_storage_round_trip(extracted, prepared_root):
+    """float8_e4m3fn with per-token, per-layer scales: about half the bytes, the reader
+    dequantizes, and every value is within e4m3's relative step (2^-3) of the bf16 value."""
+    cfg = run_extract(prepared_root, "fp8", ["extract.dtype=float8_e4m3fn"])
+    fp8 = StateReader(Path(cfg.run_dir) / "states")
+    _, bf16 = extracted
+    assert fp8.manifest["dtype"] == "float8_e4m3fn" and fp8.sample_ids == bf16.sample_ids
+    for sample_id in bf16.sample_ids[:8]:
+        a, b = fp8[sample_id].hidden_states, bf16[sample_id].hidden_states
+        assert a.dtype == torch.bfloat16 and a.shape == b.shape
+        scale = b.float().abs().amax(-1, keepdim=True)
+        assert ((a.float() - b.float()).abs() <= 2**-4 * b.float().abs() + scale * 2**-9 + 1e-6).all()
+        rel = (a.float() - b.float()).norm() / b.float().norm()
+        assert rel < 0.03
+    sizes = [sum(m.manifest["shard_info"][s]["num_bytes"] for s in m.manifest["shards"]) for m in (fp8, bf16)]
+    assert 0.45 < sizes[0] / sizes[1] < 0.6
+
+
+def test_run_dir_of_another_dtype_is_refused(extracted, prepared_root):
+    from dflash.store.manifest import ManifestMismatch
+
+    with pytest.raises(ManifestMismatch, match="dtype='bfloat16', this run has dtype='float8_e4m3fn'"):
+        run_extract(prepared_root, "parity", ["extract.dtype=float8_e4m3fn"])

@@ -30,7 +30,7 @@ def make_batches(seed=0, num_batches=5, batch_size=4):
         next_id += batch_size
         for b, s in enumerate(sample_ids):
             truth[s] = (hidden[b, :lengths[b]], ids[b, :lengths[b]], mask[b, :lengths[b]])
-        batches.append(CapturedBatch(hidden, ids, mask, lengths, sample_ids))
+        batches.append(CapturedBatch(hidden, None, ids, mask, lengths, sample_ids, [1, 3, 5]))
     return batches, truth
 
 

@@ -1,0 +1,70 @@
+"""The fast path of the Gated-DeltaNet layers: fla-core's Triton kernels on GPU.
+
+transformers' Qwen3.5 code looks its kernels up as module globals at call time
+(`torch_chunk_gated_delta_rule`, `causal_conv1d_fn`). On CUDA we bind them to fla-core:
+`chunk_gated_delta_rule` (the chunked delta rule, ~10x faster than the fp32 torch reference with
+its Python loop over chunks) and `causal_conv1d` (Triton; it honours `cu_seqlens`, which the
+torch conv fallback cannot, and fuses the SiLU). transformers itself would take the conv from
+the `causal-conv1d` package, which needs a CUDA build. On CPU nothing is bound (fla's Triton
+kernels do not run there) and the torch reference runs, which is correct but slow.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class KernelStatus:
+    """Which implementation runs the delta rule and the conv: `fla` or `torch`."""
+
+    delta_rule: str
+    conv: str
+
+    @property
+    def fast(self) -> bool:
+        return self.delta_rule == "fla" and self.conv == "fla"
+
+
+def _fla_chunk_rule(fla_chunk):
+    def chunk_gated_delta_rule(query, key, value, g, beta, initial_state=None, output_final_state=False,
+                               use_qk_l2norm_in_kernel=False, cu_seqlens=None, **_):
+        # q, k [B, T, H, K]; v [B, T, HV, V] (HV a multiple of H: fla handles the grouping).
+        return fla_chunk(q=query, k=key, v=value, g=g, beta=beta, initial_state=initial_state,
+                         output_final_state=output_final_state,
+                         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens)
+    return chunk_gated_delta_rule
+
+
+def _fla_conv(fla_causal_conv1d):
+    def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
+        # transformers hands over [B, D, T] as a transposed view of a contiguous [B, T, D]
+        # projection; fla wants [B, T, D], so both transposes are free.
+        out, _ = fla_causal_conv1d(x=hidden_states.transpose(1, 2), weight=weight, bias=bias,
+                                   activation=activation, cu_seqlens=kwargs.get("cu_seq_lens_q"))
+        return out.transpose(1, 2)
+    return causal_conv1d_fn
+
+
+def bind_fast_kernels(device: torch.device) -> KernelStatus:
+    """Bind fla's kernels into transformers' Qwen3.5 module when `device` is CUDA and fla-core
+    is installed. Warns loudly when a GPU run stays on the torch reference. Idempotent."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as modeling
+
+    if device.type != "cuda":
+        return KernelStatus("torch", "torch")
+    try:
+        from fla.modules.causal_conv1d import causal_conv1d
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError as exc:
+        log.warning("fla-core is not importable (%s): the Gated-DeltaNet layers run on transformers' "
+                    "torch reference, about 10x slower. Install it: pip install 'dflash[gpu]'", exc)
+        return KernelStatus("torch", "torch")
+    modeling.torch_chunk_gated_delta_rule = _fla_chunk_rule(chunk_gated_delta_rule)
+    modeling.causal_conv1d_fn = _fla_conv(causal_conv1d)
+    return KernelStatus("fla", "fla")
