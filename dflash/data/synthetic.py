@@ -63,3 +63,15 @@ def generate_synthetic(cfg: DataConfig, model: torch.nn.Module, vocab_size: int)
         log.info("generated responses for %d/%d synthetic prompts", min(start + len(rows), n), n)
     return datasets.Dataset.from_dict(
         {"sample_id": list(range(n)), "input_ids": input_ids, "loss_mask": loss_masks})
+
+
+def random_conversations(cfg: DataConfig, vocab_size: int) -> datasets.Dataset:
+    """`cfg.num_samples` conversations of random token ids, prompt and response lengths
+    log-normal as for synthetic data; no generation (throughput runs at scale)."""
+    rng = np.random.default_rng(cfg.seed)
+    n = cfg.num_samples
+    prompt_lengths = lognormal_lengths(rng, n, cfg.prompt_length_mean, cfg.length_sigma, cfg.max_prompt_length)
+    response_lengths = lognormal_lengths(rng, n, cfg.response_length_mean, cfg.length_sigma, cfg.max_response_length)
+    input_ids = [rng.integers(0, vocab_size, size=int(p + r)).tolist() for p, r in zip(prompt_lengths, response_lengths)]
+    loss_masks = [[0] * int(p) + [1] * int(r) for p, r in zip(prompt_lengths, response_lengths)]
+    return datasets.Dataset.from_dict({"sample_id": list(range(n)), "input_ids": input_ids, "loss_mask": loss_masks})

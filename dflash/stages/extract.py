@@ -35,8 +35,10 @@ from dflash.store.consolidate import consolidate, stored_sample_ids
 from dflash.store.layers import check_layer_ids, zlab_target_layer_ids
 from dflash.store.manifest import check_compatible, new_manifest, read_manifest, write_manifest
 from dflash.store.writer import ShardWriter
-from dflash.target.capture import HiddenStateCapture, pad_right
-from dflash.target.load import ensure_target, load_base_model, target_info
+from dflash.target.capture import HiddenStateCapture
+from dflash.target.extraction import RowFetcher, prefetch_inputs, run_extraction
+from dflash.target.kernels import bind_fast_kernels
+from dflash.target.load import base_model_of, ensure_target, target_info_of
 from dflash.telemetry import (ProgressMeter, RankProgress, WandbRun, nvml_metrics, read_progress,
                               summarize)
 
@@ -45,12 +47,11 @@ log = logging.getLogger(__name__)
 
 def run(cfg: Config, rt: Runtime, wandb_run: WandbRun) -> None:
     states_dir = rt.run_dir / "states"
-    compute_dtype = getattr(torch, cfg.model.dtype)
 
     # -- validate and prepare: rank 0 builds what is missing, the others wait ---------------
     def prepare() -> None:
         ensure_target(cfg.model)
-        ensure_prepared(cfg.data, cfg.model.path, compute_dtype, rt.device)
+        ensure_prepared(cfg.data, cfg.model, rt.device)
         expected = expected_manifest(cfg, states_dir)
         manifest = read_manifest(states_dir)
         if manifest is None:
@@ -72,8 +73,7 @@ def run(cfg: Config, rt: Runtime, wandb_run: WandbRun) -> None:
     todo = ~np.isin(ids, np.fromiter(stored, dtype=np.int64, count=len(stored)))
     batches = plan_batches(ids[todo], lengths[todo], cfg.extract.token_budget, cfg.extract.max_batch_size)
     mine = assign_to_ranks(batches, rt.world_size)[rt.rank]
-    row_of = {int(sample_id): row for row, sample_id in enumerate(dataset["sample_id"])}
-    columns = dataset.select_columns(["input_ids", "loss_mask"])
+    fetch_rows = row_fetcher(dataset)
     planned_tokens = sum(b.num_real_tokens for b in mine)
     log.info("plan: %d samples (%d tokens) of %d to extract, %d already stored; %d batches for "
              "%d ranks, this rank %d batches, %d samples, %d tokens; %d overlong samples %s",
@@ -87,8 +87,8 @@ def run(cfg: Config, rt: Runtime, wandb_run: WandbRun) -> None:
     log.info("layer ids %s, %d bytes per token stored", layer_ids, bytes_per_token)
 
     # -- loop ------------------------------------------------------------------------------
-    model = load_base_model(cfg.model.path, max(layer_ids) + 1, compute_dtype, rt.device,
-                            cfg.model.attn_implementation)
+    kernels = bind_fast_kernels(rt.device)
+    model = base_model_of(cfg.model, max(layer_ids) + 1, rt.device)
     capture = HiddenStateCapture(model, layer_ids, store_dtype, cfg.extract.writer_queue_batches + 2)
     writer = ShardWriter(states_dir, rt.launch_id, rt.rank, cfg.extract.shard_max_bytes,
                          cfg.extract.writer_queue_batches)
@@ -101,22 +101,16 @@ def run(cfg: Config, rt: Runtime, wandb_run: WandbRun) -> None:
         wandb_run.log({**summarize(read_progress(progress_dir, rt.launch_id, rt.world_size),
                                    rt.world_size), **nvml_metrics()})
 
+    def on_batch(padded) -> None:
+        recorded = meter.update(len(padded.sample_ids), padded.num_real_tokens, padded.num_padded_tokens,
+                                writer.stats.num_bytes, writer.queue_depth, writer.stats.compute_wait_s)
+        if recorded and rt.is_main:
+            log_progress()
+
+    wandb_run.summary({"extract/fast_kernels": int(kernels.fast)})
     try:
-        for batch in mine:
-            rows = columns[[row_of[s] for s in batch.sample_ids]]
-            padded = pad_right(list(batch.sample_ids),
-                               [ids_[: cfg.extract.max_length] for ids_ in rows["input_ids"]],
-                               [mask[: cfg.extract.max_length] for mask in rows["loss_mask"]])
-            writer.put(capture(padded))
-            recorded = meter.update(len(batch.sample_ids), padded.num_real_tokens,
-                                    padded.num_padded_tokens, writer.stats.num_bytes,
-                                    writer.queue_depth, writer.stats.compute_wait_s)
-            if recorded and rt.is_main:
-                log_progress()
-        stats = writer.close()
-    except BaseException:
-        writer.abort()
-        raise
+        inputs = prefetch_inputs(fetch_rows, mine, cfg.extract.max_length, pin=rt.device.type == "cuda")
+        stats = run_extraction(capture, writer, inputs, on_batch)
     finally:
         capture.remove()
     meter.close(stats.num_bytes, stats.compute_wait_s)
@@ -148,9 +142,20 @@ def run(cfg: Config, rt: Runtime, wandb_run: WandbRun) -> None:
              len(manifest["shards"]), states_dir, barrier_wait_s)
 
 
+def row_fetcher(dataset) -> RowFetcher:
+    """sample ids -> their (input_ids, loss_mask) lists, read from the prepared Arrow dataset."""
+    row_of = {int(sample_id): row for row, sample_id in enumerate(dataset["sample_id"])}
+    columns = dataset.select_columns(["input_ids", "loss_mask"])
+
+    def fetch(sample_ids):
+        rows = columns[[row_of[s] for s in sample_ids]]
+        return rows["input_ids"], rows["loss_mask"]
+    return fetch
+
+
 def expected_manifest(cfg: Config, states_dir: Path) -> dict[str, Any]:
     """The manifest this run would write into a fresh states dir (identity fields filled)."""
-    info = target_info(cfg.model.path)
+    info = target_info_of(cfg.model)
     layer_ids = (list(cfg.extract.layer_ids) if cfg.extract.layer_ids is not None
                  else zlab_target_layer_ids(info.num_hidden_layers, cfg.extract.num_draft_layers))
     check_layer_ids(layer_ids, info.num_hidden_layers)

@@ -10,8 +10,6 @@ first when something is missing.
 
 from __future__ import annotations
 
-import torch
-
 from dflash.config import Config
 from dflash.data.prepare import ensure_prepared
 from dflash.runtime import Runtime
@@ -22,6 +20,6 @@ from dflash.telemetry import WandbRun
 def run(cfg: Config, rt: Runtime, wandb_run: WandbRun) -> None:
     def prepare() -> None:
         ensure_target(cfg.model)
-        ensure_prepared(cfg.data, cfg.model.path, getattr(torch, cfg.model.dtype), rt.device)
+        ensure_prepared(cfg.data, cfg.model, rt.device)
 
     rt.main_first("prepared", prepare)

@@ -11,12 +11,15 @@ kernels do not run there) and the torch reference runs, which is correct but slo
 
 from __future__ import annotations
 
+import inspect
 import logging
 from dataclasses import dataclass
 
 import torch
 
 log = logging.getLogger(__name__)
+
+_REFERENCE: dict = {}  # transformers' own functions, kept by bind_fast_kernels
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,21 @@ def bind_fast_kernels(device: torch.device) -> KernelStatus:
         log.warning("fla-core is not importable (%s): the Gated-DeltaNet layers run on transformers' "
                     "torch reference, about 10x slower. Install it: pip install 'dflash[gpu]'", exc)
         return KernelStatus("torch", "torch")
+    _REFERENCE.setdefault("torch_chunk_gated_delta_rule", modeling.torch_chunk_gated_delta_rule)
+    _REFERENCE.setdefault("causal_conv1d_fn", modeling.causal_conv1d_fn)
     modeling.torch_chunk_gated_delta_rule = _fla_chunk_rule(chunk_gated_delta_rule)
     modeling.causal_conv1d_fn = _fla_conv(causal_conv1d)
+    log.info("Gated-DeltaNet kernels: fla-core chunk_gated_delta_rule and Triton causal_conv1d")
     return KernelStatus("fla", "fla")
+
+
+def bind_reference_kernels() -> None:
+    """Bind transformers' plain torch implementations, whatever packages are installed (parity
+    tests compare the fast path against them). `bind_fast_kernels` binds fla again."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as modeling
+
+    for name in ("torch_chunk_gated_delta_rule", "causal_conv1d_fn"):
+        original = _REFERENCE.get(name, getattr(modeling, name))
+        _REFERENCE.setdefault(name, original)
+        # transformers' decorator may have bound fla already; its wrapper keeps the torch function
+        setattr(modeling, name, inspect.unwrap(original))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import logging
 import shutil
 from dataclasses import dataclass
@@ -129,6 +130,38 @@ def load_base_model(path: str | Path, num_layers: int, dtype: torch.dtype, devic
     return model
 
 
+def build_random_base_model(architecture: dict[str, Any], seed: int, num_layers: int, dtype: torch.dtype,
+                            device: torch.device, attn_implementation: str = "sdpa") -> torch.nn.Module:
+    """A `Qwen3_5TextModel` of `architecture` with layers 0..num_layers-1 and random weights
+    drawn from `seed`, built directly on `device` in `dtype` (`model.init=random`: benchmarks at
+    the real shape without a checkpoint; a 27B-shaped model builds in seconds on a GPU)."""
+    from transformers import Qwen3_5TextConfig, Qwen3_5TextModel
+
+    config = Qwen3_5TextConfig(**architecture)
+    config.num_hidden_layers = num_layers
+    config.layer_types = config.layer_types[:num_layers]
+    config.use_cache = False
+    config._attn_implementation = attn_implementation
+    torch.manual_seed(seed)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = Qwen3_5TextModel(config)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.eval().requires_grad_(False)
+
+
+def random_target_info(name: str, architecture: dict[str, Any], seed: int) -> TargetInfo:
+    """TargetInfo of a `model.init=random` target: no checkpoint, the identity is the
+    architecture and seed."""
+    record = json.dumps({"architecture": architecture, "seed": seed}, sort_keys=True).encode()
+    return TargetInfo(path=f"random:{name}:seed{seed}", num_hidden_layers=architecture["num_hidden_layers"],
+                      hidden_size=architecture["hidden_size"], vocab_size=architecture["vocab_size"],
+                      config_sha256=hashlib.sha256(record).hexdigest())
+
+
 def load_causal_lm(path: str | Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
     """The whole target with its lm_head, for generating synthetic responses."""
     from transformers import AutoModelForCausalLM
@@ -140,10 +173,29 @@ def load_causal_lm(path: str | Path, dtype: torch.dtype, device: torch.device) -
 
 def ensure_target(cfg: ModelConfig) -> None:
     """Make sure a loadable checkpoint is at `cfg.path`: build the embedded model there
-    (`init=embedded`) or check that the given checkpoint exists. Rank 0 only."""
+    (`init=embedded`) or check that the given checkpoint exists. Nothing for `init=random`.
+    Rank 0 only."""
     path = cfg.path
+    if cfg.init == "random":
+        return
     if cfg.init == "embedded":
         build_embedded(path, cfg.architecture or {}, cfg.seed, cfg.embedding_init_std)
     elif not (Path(path) / "config.json").exists():
         raise FileNotFoundError(f"config key `model.path`: {path} is not a Hugging Face checkpoint dir "
                                 "(no config.json); point model.path at the downloaded checkpoint")
+
+
+def target_info_of(cfg: ModelConfig) -> TargetInfo:
+    """What the manifest records about the configured target."""
+    if cfg.init == "random":
+        return random_target_info(cfg.name, cfg.architecture or {}, cfg.seed)
+    return target_info(cfg.path)
+
+
+def base_model_of(cfg: ModelConfig, num_layers: int, device: torch.device) -> torch.nn.Module:
+    """The configured target's base model, truncated to `num_layers` layers, on `device`."""
+    dtype = getattr(torch, cfg.dtype)
+    if cfg.init == "random":
+        return build_random_base_model(cfg.architecture or {}, cfg.seed, num_layers, dtype, device,
+                                       cfg.attn_implementation)
+    return load_base_model(cfg.path, num_layers, dtype, device, cfg.attn_implementation)

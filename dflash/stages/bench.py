@@ -1,0 +1,301 @@
+"""stage=bench: extraction throughput of the predecessor-style baseline and of dflash's own
+path, on the same target, lengths and token budget, in one process; prints a table.
+
+    python dflash/main.py stage=bench bench=h200 model=qwen3_6_27b model.init=random \
+        extract.layer_ids=[1,16,31,46,61] extract.token_budget=12000      # one H200
+    python dflash/main.py stage=bench bench=smoke                          # CPU smoke, tiny target
+
+Variants: `baseline` = what the predecessor's final script did: length-sorted padded batches,
+hooks on the layers, the full causal LM (every layer and the lm_head's logits), a synchronous
+`.cpu()` of the stacked states per batch, nothing written. `padded` = dflash's extraction path,
+exactly what stage=extract runs (prefetch thread, truncated base model, fla kernels on GPU,
+side-stream copies into pinned buffers, the shard writer writing to `${run_dir}/bench/`).
+`padded_fp8` = the same storing float8_e4m3fn. Writes `${run_dir}/bench.json` and logs to W&B.
+
+MFU = 2 x (parameters of decoder layers 0..max(layer_ids)) x real tokens/s over the rate of a
+bf16 matrix product measured in the same run (float32 on a CPU); padded tokens do not count.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dflash.atomic import write_json_atomic
+from dflash.config import Config
+from dflash.data.batching import plan_batches
+from dflash.runtime import Runtime
+from dflash.store import StateReader
+from dflash.store.consolidate import consolidate
+from dflash.store.layers import check_layer_ids, zlab_target_layer_ids
+from dflash.store.manifest import new_manifest, write_manifest
+from dflash.store.writer import ShardWriter
+from dflash.target.capture import HiddenStateCapture, pad_right
+from dflash.target.extraction import prefetch_inputs, run_extraction
+from dflash.target.kernels import bind_fast_kernels
+from dflash.target.load import load_causal_lm
+from dflash.telemetry import WandbRun, nvml_metrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class VariantResult:
+    name: str
+    seconds: float
+    real_tokens: int
+    padded_tokens: int
+    samples: int
+    bytes_written: int
+    peak_memory_gib: float
+    gpu_busy: float  # mean NVML utilization over the run, 0..1 (nan without NVML)
+
+    def row(self, flops_per_token: float, matmul_flops: float, baseline: "VariantResult | None") -> dict:
+        tokens_per_s = self.real_tokens / self.seconds
+        return {"variant": self.name, "tokens/s": tokens_per_s, "samples/s": self.samples / self.seconds,
+                "MFU": tokens_per_s * flops_per_token / matmul_flops, "GPU busy": self.gpu_busy,
+                "write MB/s": self.bytes_written / self.seconds / 1e6,
+                "bytes/token": self.bytes_written / self.real_tokens if self.bytes_written else 0.0,
+                "peak GiB": self.peak_memory_gib, "padding": 1 - self.real_tokens / self.padded_tokens,
+                "x baseline": tokens_per_s / (baseline.real_tokens / baseline.seconds) if baseline else float("nan")}
+
+
+def run(cfg: Config, rt: Runtime, wandb_run: WandbRun) -> None:
+    device = rt.device
+    kernels = bind_fast_kernels(device)
+    lm = causal_lm(cfg, device)
+    num_layers_total = lm.config.num_hidden_layers
+    layer_ids = (list(cfg.extract.layer_ids) if cfg.extract.layer_ids is not None
+                 else zlab_target_layer_ids(num_layers_total, cfg.extract.num_draft_layers))
+    check_layer_ids(layer_ids, num_layers_total)
+    base = truncated_base(lm.model, max(layer_ids) + 1)
+    flops_per_token = 2 * sum(p.numel() for p in base.layers.parameters())
+    matmul_flops = matmul_rate(device, cfg.bench.matmul_size)
+
+    rng = np.random.default_rng(cfg.bench.seed)
+    b = cfg.bench
+    lengths = np.clip(np.rint(rng.lognormal(np.log(b.length_mean) - b.length_sigma**2 / 2, b.length_sigma,
+                                            b.num_samples)), b.min_length, b.max_length).astype(np.int64)
+    vocab = lm.config.vocab_size
+    tokens = {i: rng.integers(0, vocab, size=int(n)).tolist() for i, n in enumerate(lengths)}
+    batches = plan_batches(np.arange(len(lengths)), lengths, cfg.extract.token_budget, cfg.extract.max_batch_size)
+    log.info("bench: %d samples, %d tokens (mean %.0f, max %d), %d batches under a %d-token budget; layers %s of "
+             "%d; %.1f GFLOP/token; matmul %.1f TFLOP/s; kernels %s", len(lengths), lengths.sum(),
+             lengths.mean(), lengths.max(), len(batches), cfg.extract.token_budget, layer_ids, num_layers_total,
+             flops_per_token / 1e9, matmul_flops / 1e12, kernels)
+
+    def fetch_rows(sample_ids):
+        return [tokens[s] for s in sample_ids], [[1] * len(tokens[s]) for s in sample_ids]
+
+    results: list[VariantResult] = []
+    warm, timed = batches[: b.warmup_batches], batches
+    out_root = rt.run_dir / "bench"
+    for name in b.variants:
+        shutil.rmtree(out_root / name, ignore_errors=True)
+        if name == "baseline":
+            run_variant = lambda plan: baseline(lm, layer_ids, fetch_rows, plan, device)  # noqa: E731
+        else:
+            dtype = torch.float8_e4m3fn if name == "padded_fp8" else torch.bfloat16
+            run_variant = lambda plan, dtype=dtype, name=name: dflash_path(  # noqa: E731
+                cfg, base, layer_ids, dtype, fetch_rows, plan, device, out_root / name)
+        run_variant(warm)
+        shutil.rmtree(out_root / name, ignore_errors=True)
+        result = measure(name, lambda: run_variant(timed), device)
+        results.append(result)
+        log.info("%s: %.1f s, %d tokens", name, result.seconds, result.real_tokens)
+
+    base_result = next((r for r in results if r.name == "baseline"), None)
+    rows = [r.row(flops_per_token, matmul_flops, base_result) for r in results]
+    fp8_error = fp8_round_trip_error(out_root) if {"padded", "padded_fp8"} <= set(b.variants) else None
+    report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "model": cfg.model.name, "layer_ids": layer_ids, "token_budget": cfg.extract.token_budget,
+              "num_samples": len(lengths), "num_tokens": int(lengths.sum()), "flops_per_token": flops_per_token,
+              "matmul_flops": matmul_flops, "fast_kernels": kernels.fast, "fp8_relative_error": fp8_error,
+              "rows": rows}
+    write_json_atomic(rt.run_dir / "bench.json", report)
+    log.info("bench results (%s, %s, budget %d):\n%s%s", report["device"], cfg.model.name,
+             cfg.extract.token_budget, format_table(rows),
+             f"\nfp8 round trip: relative RMS error {fp8_error:.4f}" if fp8_error is not None else "")
+    wandb_run.summary({f"bench/{row['variant']}/{key}": value for row in rows for key, value in row.items()
+                       if key != "variant"})
+    shutil.rmtree(out_root, ignore_errors=True)
+
+
+def causal_lm(cfg: Config, device: torch.device) -> torch.nn.Module:
+    """The whole target with its lm_head (the baseline needs it), random or from a checkpoint."""
+    dtype = getattr(torch, cfg.model.dtype)
+    if cfg.model.init != "random":
+        from dflash.target.load import ensure_target
+
+        ensure_target(cfg.model)
+        return load_causal_lm(cfg.model.path, dtype, device)
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    config = Qwen3_5TextConfig(**cfg.model.architecture)
+    config.use_cache = False
+    config._attn_implementation = cfg.model.attn_implementation
+    torch.manual_seed(cfg.model.seed)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = Qwen3_5ForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.eval().requires_grad_(False)
+
+
+def truncated_base(base: torch.nn.Module, num_layers: int) -> torch.nn.Module:
+    """A view of `base` (sharing its weights) that runs only layers 0..num_layers-1."""
+    view = copy.copy(base)
+    view._modules = dict(base._modules)
+    view.layers = torch.nn.ModuleList(list(base.layers)[:num_layers])
+    view.config = copy.deepcopy(base.config)
+    view.config.num_hidden_layers = num_layers
+    view.config.layer_types = view.config.layer_types[:num_layers]
+    return view
+
+
+def matmul_rate(device: torch.device, size: int) -> float:
+    """FLOP/s of a square matrix product on random data (bf16 on a GPU, float32 on a CPU):
+    median of 10 after 3 warm-ups."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
+    times = []
+    for i in range(13):
+        sync(device)
+        start = time.perf_counter()
+        a @ b
+        sync(device)
+        if i >= 3:
+            times.append(time.perf_counter() - start)
+    return 2 * size**3 / float(np.median(times))
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class UtilizationSampler:
+    """Mean NVML utilization of this GPU while it runs (a thread sampling every 50 ms)."""
+
+    def __init__(self, device: torch.device):
+        self.index = device.index or 0 if device.type == "cuda" else None
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            value = nvml_metrics().get(f"gpu/{self.index}/utilization(%)")
+            if value is not None:
+                self.samples.append(value / 100)
+
+    def __enter__(self):
+        if self.index is not None:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    @property
+    def mean(self) -> float:
+        return float(np.mean(self.samples)) if self.samples else float("nan")
+
+
+def measure(name: str, work, device: torch.device) -> VariantResult:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    sync(device)
+    with UtilizationSampler(device) as util:
+        start = time.perf_counter()
+        counts = work()
+        sync(device)
+        seconds = time.perf_counter() - start
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+    return VariantResult(name, seconds, counts["real"], counts["padded"], counts["samples"], counts["bytes"],
+                         peak, util.mean)
+
+
+@torch.inference_mode()
+def baseline(lm, layer_ids, fetch_rows, plan, device) -> dict:
+    """The predecessor's final design: padded batches, hooks on the layers, the full causal LM
+    with logits, a synchronous copy of the stacked states per batch."""
+    captured: dict[int, torch.Tensor] = {}
+    handles = [lm.model.layers[i].register_forward_hook(
+        lambda module, args, out, i=i: captured.__setitem__(i, out)) for i in layer_ids]
+    counts = {"real": 0, "padded": 0, "samples": 0, "bytes": 0}
+    try:
+        for batch in plan:
+            ids, masks = fetch_rows(batch.sample_ids)
+            padded = pad_right(list(batch.sample_ids), ids, masks)
+            attention = padded.attention_mask_BS.to(device) if padded.attention_mask_BS is not None else None
+            lm(input_ids=padded.input_ids_BS.to(device), attention_mask=attention, use_cache=False)
+            torch.stack([captured[i] for i in layer_ids], dim=2).cpu()
+            counts["real"] += padded.num_real_tokens
+            counts["padded"] += padded.num_padded_tokens
+            counts["samples"] += len(batch.sample_ids)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return counts
+
+
+def dflash_path(cfg, base, layer_ids, store_dtype, fetch_rows, plan, device, states_dir: Path) -> dict:
+    """stage=extract's loop on `plan`, writing real shards to `states_dir`."""
+    states_dir.mkdir(parents=True, exist_ok=True)
+    capture = HiddenStateCapture(base, layer_ids, store_dtype, cfg.extract.writer_queue_batches + 2)
+    writer = ShardWriter(states_dir, "bench", 0, cfg.extract.shard_max_bytes, cfg.extract.writer_queue_batches)
+    counts = {"real": 0, "padded": 0, "samples": 0}
+
+    def on_batch(padded) -> None:
+        counts["real"] += padded.num_real_tokens
+        counts["padded"] += padded.num_padded_tokens
+        counts["samples"] += len(padded.sample_ids)
+
+    try:
+        stats = run_extraction(capture, writer, prefetch_inputs(fetch_rows, plan, cfg.extract.max_length,
+                                                                pin=device.type == "cuda"), on_batch)
+    finally:
+        capture.remove()
+    info = {"path": "bench", "num_hidden_layers": 0, "hidden_size": base.config.hidden_size,
+            "vocab_size": base.config.vocab_size, "config_sha256": ""}
+    manifest = new_manifest(info, layer_ids, str(store_dtype).removeprefix("torch."), "bench", {})
+    consolidate(states_dir, manifest, verify_new=False)
+    manifest["complete"] = True
+    write_manifest(states_dir, manifest)
+    return {**counts, "bytes": stats.num_bytes}
+
+
+def fp8_round_trip_error(out_root: Path) -> float:
+    """Relative RMS error of the fp8 states against the bf16 ones, over all samples."""
+    bf16, fp8 = StateReader(out_root / "padded"), StateReader(out_root / "padded_fp8")
+    num = den = 0.0
+    for sample_id in bf16.sample_ids:
+        a, b = fp8[sample_id].hidden_states.float(), bf16[sample_id].hidden_states.float()
+        num += float((a - b).pow(2).sum())
+        den += float(b.pow(2).sum())
+    return (num / den) ** 0.5
+
+
+def format_table(rows: list[dict]) -> str:
+    keys = list(rows[0])
+    fmt = {"tokens/s": "{:,.0f}", "samples/s": "{:.2f}", "MFU": "{:.1%}", "GPU busy": "{:.0%}",
+           "write MB/s": "{:.0f}", "bytes/token": "{:,.0f}", "peak GiB": "{:.1f}", "padding": "{:.1%}",
+           "x baseline": "{:.2f}"}
+    cells = [[row["variant"]] + [fmt[k].format(row[k]) for k in keys[1:]] for row in rows]
+    widths = [max(len(str(x)) for x in column) for column in zip(keys, *cells)]
+    line = lambda values: "| " + " | ".join(str(v).rjust(w) for v, w in zip(values, widths)) + " |"  # noqa: E731
+    return "\n".join([line(keys), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, cells)])
