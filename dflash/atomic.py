@@ -9,8 +9,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 TMP_SUFFIX = ".tmp"
 
@@ -24,22 +25,32 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_bytes_atomic(path: Path, data: bytes | memoryview) -> None:
-    """Write `data` to `path` atomically. On any error (ENOSPC included) the temporary file is
-    removed and the error re-raised with the path in its message."""
+def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
+    """Have `write(tmp)` create a temporary file beside `path`, then fsync it and rename it to
+    `path`. On any error (ENOSPC included) the temporary file is removed and the error re-raised
+    with the path in its message."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}{TMP_SUFFIX}")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}")
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
+        write(tmp)
+        with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except OSError as exc:
+    except Exception as exc:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
-        raise OSError(exc.errno, f"could not write {path}: {exc.strerror or exc}") from exc
+        if isinstance(exc, OSError):
+            raise OSError(exc.errno, f"could not write {path}: {exc.strerror or exc}") from exc
+        raise OSError(f"could not write {path}: {exc}") from exc
     fsync_dir(path.parent)
+
+
+def write_bytes_atomic(path: Path, data: bytes | memoryview) -> None:
+    """Write `data` to `path` atomically (see `write_atomic`)."""
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as f:
+            f.write(data)
+    write_atomic(path, write)
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:

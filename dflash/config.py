@@ -24,6 +24,7 @@ STAGE_SEQUENCE = {
     "bench": ("bench",),
 }
 STAGES = tuple(STAGE_SEQUENCE)
+BENCH_VARIANTS = ("forward_only", "baseline", "padded", "padded_nowrite", "padded_fp8")
 STORE_DTYPES = ("bfloat16", "float8_e4m3fn")
 COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
 
@@ -142,6 +143,8 @@ class ExtractConfig:
     """A shard is closed once its hidden states reach this many bytes."""
     writer_queue_batches: int = 4
     """Batches that may wait for the shard writer before compute blocks (backpressure)."""
+    writer_threads: int = 3
+    """Threads writing, checksumming and journaling shards in parallel."""
     progress_interval_s: float = 5.0
     """Seconds between progress records (per-rank JSON, W&B)."""
     def check(self) -> None:
@@ -155,6 +158,7 @@ class ExtractConfig:
                  f"expected one of {STORE_DTYPES}, got `{self.dtype}`")
         _require(self.shard_max_bytes > 0, "extract.shard_max_bytes", "must be > 0")
         _require(self.writer_queue_batches > 0, "extract.writer_queue_batches", "must be > 0")
+        _require(self.writer_threads > 0, "extract.writer_threads", "must be > 0")
         if self.layer_ids is not None:
             _require(len(self.layer_ids) > 0, "extract.layer_ids", "must not be empty")
             _require(len(set(self.layer_ids)) == len(self.layer_ids), "extract.layer_ids",
@@ -305,9 +309,10 @@ class BenchConfig:
     warmup_batches: int = 2
     """Batches run before timing each variant (Triton compiles per new shape)."""
     variants: list[str] = field(default_factory=lambda: ["baseline", "padded", "padded_fp8"])
-    """`baseline` (padded batches, hooks, the full causal LM with logits, a synchronous copy per
-    batch), `padded` (dflash: the stage=extract path, writer included), `padded_fp8` (the same,
-    float8_e4m3fn storage)."""
+    """Among `forward_only` (the ceiling: forward and hooks, nothing copied out), `baseline`
+    (padded batches, hooks, the full causal LM with logits, a synchronous copy per batch),
+    `padded` (dflash: the stage=extract path, writer included), `padded_nowrite` (the same
+    without the disk), `padded_fp8` (float8_e4m3fn storage). See dflash/stages/bench.py."""
     matmul_size: int = 8192
     """Side of the square bf16 matrix product whose rate MFU is measured against (CPU: float32)."""
     seed: int = 0
@@ -317,7 +322,7 @@ class BenchConfig:
         for key in ("num_samples", "min_length", "max_length", "matmul_size"):
             _require(getattr(self, key) > 0, f"bench.{key}", f"must be > 0, got {getattr(self, key)}")
         _require(self.min_length <= self.max_length, "bench.min_length", "must be <= bench.max_length")
-        bad = [v for v in self.variants if v not in ("baseline", "padded", "padded_fp8")]
+        bad = [v for v in self.variants if v not in BENCH_VARIANTS]
         _require(not bad and bool(self.variants), "bench.variants", f"unknown variants {bad}")
 
 

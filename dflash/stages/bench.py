@@ -5,11 +5,13 @@ path, on the same target, lengths and token budget, in one process; prints a tab
         extract.layer_ids=[1,16,31,46,61] extract.token_budget=12000      # one H200
     python dflash/main.py stage=bench bench=smoke                          # CPU smoke, tiny target
 
-Variants: `baseline` = what the predecessor's final script did: length-sorted padded batches,
+Variants: `forward_only` = the ceiling: the truncated forward with its hooks, inputs already on
+the device, nothing copied out. `baseline` = what the predecessor's final script did: length-sorted padded batches,
 hooks on the layers, the full causal LM (every layer and the lm_head's logits), a synchronous
 `.cpu()` of the stacked states per batch, nothing written. `padded` = dflash's extraction path,
 exactly what stage=extract runs (prefetch thread, truncated base model, fla kernels on GPU,
 side-stream copies into pinned buffers, the shard writer writing to `${run_dir}/bench/`).
+`padded_nowrite` = the same minus the disk (batches copied, checked, dropped).
 `padded_fp8` = the same storing float8_e4m3fn. Writes `${run_dir}/bench.json` and logs to W&B.
 
 MFU = 2 x (parameters of decoder layers 0..max(layer_ids)) x real tokens/s over the rate of a
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import queue
 import shutil
 import threading
 import time
@@ -57,6 +60,7 @@ class VariantResult:
     bytes_written: int
     peak_memory_gib: float
     gpu_busy: float  # mean NVML utilization over the run, 0..1 (nan without NVML)
+    writer_wait_s: float  # seconds compute blocked on a full writer queue (disk the bottleneck)
 
     def row(self, flops_per_token: float, matmul_flops: float, baseline: "VariantResult | None") -> dict:
         tokens_per_s = self.real_tokens / self.seconds
@@ -65,6 +69,7 @@ class VariantResult:
                 "write MB/s": self.bytes_written / self.seconds / 1e6,
                 "bytes/token": self.bytes_written / self.real_tokens if self.bytes_written else 0.0,
                 "peak GiB": self.peak_memory_gib, "padding": 1 - self.real_tokens / self.padded_tokens,
+                "writer wait": self.writer_wait_s / self.seconds,
                 "x baseline": tokens_per_s / (baseline.real_tokens / baseline.seconds) if baseline else float("nan")}
 
 
@@ -102,10 +107,13 @@ def run(cfg: Config, rt: Runtime, wandb_run: WandbRun) -> None:
         shutil.rmtree(out_root / name, ignore_errors=True)
         if name == "baseline":
             run_variant = lambda plan: baseline(lm, layer_ids, fetch_rows, plan, device)  # noqa: E731
+        elif name == "forward_only":
+            run_variant = lambda plan: forward_only(base, layer_ids, fetch_rows, plan, device)  # noqa: E731
         else:
             dtype = torch.float8_e4m3fn if name == "padded_fp8" else torch.bfloat16
             run_variant = lambda plan, dtype=dtype, name=name: dflash_path(  # noqa: E731
-                cfg, base, layer_ids, dtype, fetch_rows, plan, device, out_root / name)
+                cfg, base, layer_ids, dtype, fetch_rows, plan, device, out_root / name,
+                discard=name == "padded_nowrite")
         run_variant(warm)
         shutil.rmtree(out_root / name, ignore_errors=True)
         result = measure(name, lambda: run_variant(timed), device)
@@ -226,7 +234,7 @@ def measure(name: str, work, device: torch.device) -> VariantResult:
         seconds = time.perf_counter() - start
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
     return VariantResult(name, seconds, counts["real"], counts["padded"], counts["samples"], counts["bytes"],
-                         peak, util.mean)
+                         peak, util.mean, counts.get("writer_wait_s", 0.0))
 
 
 @torch.inference_mode()
@@ -253,21 +261,79 @@ def baseline(lm, layer_ids, fetch_rows, plan, device) -> dict:
     return counts
 
 
-def dflash_path(cfg, base, layer_ids, store_dtype, fetch_rows, plan, device, states_dir: Path) -> dict:
-    """stage=extract's loop on `plan`, writing real shards to `states_dir`."""
+@torch.inference_mode()
+def forward_only(base, layer_ids, fetch_rows, plan, device) -> dict:
+    """The ceiling: the truncated forward with hooks filling a device buffer, inputs already on
+    the device, nothing copied out or written."""
+    inputs = []
+    for batch in plan:
+        ids, masks = fetch_rows(batch.sample_ids)
+        padded = pad_right(list(batch.sample_ids), ids, masks)
+        inputs.append((padded, padded.input_ids_BS.to(device),
+                       padded.attention_mask_BS.to(device) if padded.attention_mask_BS is not None else None))
+    capture = HiddenStateCapture(base, layer_ids, torch.bfloat16)
+    counts = {"real": 0, "padded": 0, "samples": 0, "bytes": 0}
+    sync(device)
+    try:
+        for padded, input_ids, attention_mask in inputs:
+            capture._buffer = torch.empty(*input_ids.shape, len(layer_ids), base.config.hidden_size,
+                                          dtype=torch.bfloat16, device=device)
+            base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            counts["real"] += padded.num_real_tokens
+            counts["padded"] += padded.num_padded_tokens
+            counts["samples"] += len(padded.sample_ids)
+    finally:
+        capture.remove()
+    return counts
+
+
+class DiscardWriter:
+    """A writer that only waits for each batch's copy and check, then drops it: the extraction
+    path without the disk."""
+
+    def __init__(self):
+        self._queue: "queue.Queue" = queue.Queue(maxsize=4)
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        self.stats = type("Stats", (), {"num_bytes": 0, "compute_wait_s": 0.0})()
+
+    def _run(self):
+        while (batch := self._queue.get()) is not None:
+            batch.wait()
+            if batch.release is not None:
+                batch.release()
+
+    def put(self, batch) -> None:
+        self._queue.put(batch)
+
+    def close(self):
+        self._queue.put(None)
+        self._thread.join()
+        return self.stats
+
+    abort = close
+
+
+def dflash_path(cfg, base, layer_ids, store_dtype, fetch_rows, plan, device, states_dir: Path,
+                discard: bool = False) -> dict:
+    """stage=extract's loop on `plan`, writing real shards to `states_dir` (or dropping them)."""
     states_dir.mkdir(parents=True, exist_ok=True)
     capture = HiddenStateCapture(base, layer_ids, store_dtype, cfg.extract.writer_queue_batches + 2)
-    writer = ShardWriter(states_dir, "bench", 0, cfg.extract.shard_max_bytes, cfg.extract.writer_queue_batches)
+    if discard:
+        counts = {"real": 0, "padded": 0, "samples": 0}
+        inputs = prefetch_inputs(fetch_rows, plan, cfg.extract.max_length, pin=device.type == "cuda")
+        try:
+            run_extraction(capture, DiscardWriter(), inputs, lambda p: _count(counts, p))
+        finally:
+            capture.remove()
+        return {**counts, "bytes": 0}
+    writer = ShardWriter(states_dir, "bench", 0, cfg.extract.shard_max_bytes, cfg.extract.writer_queue_batches,
+                         cfg.extract.writer_threads)
     counts = {"real": 0, "padded": 0, "samples": 0}
-
-    def on_batch(padded) -> None:
-        counts["real"] += padded.num_real_tokens
-        counts["padded"] += padded.num_padded_tokens
-        counts["samples"] += len(padded.sample_ids)
-
     try:
         stats = run_extraction(capture, writer, prefetch_inputs(fetch_rows, plan, cfg.extract.max_length,
-                                                                pin=device.type == "cuda"), on_batch)
+                                                                pin=device.type == "cuda"),
+                               lambda padded: _count(counts, padded))
     finally:
         capture.remove()
     info = {"path": "bench", "num_hidden_layers": 0, "hidden_size": base.config.hidden_size,
@@ -276,7 +342,13 @@ def dflash_path(cfg, base, layer_ids, store_dtype, fetch_rows, plan, device, sta
     consolidate(states_dir, manifest, verify_new=False)
     manifest["complete"] = True
     write_manifest(states_dir, manifest)
-    return {**counts, "bytes": stats.num_bytes}
+    return {**counts, "bytes": stats.num_bytes, "writer_wait_s": stats.compute_wait_s}
+
+
+def _count(counts: dict, padded) -> None:
+    counts["real"] += padded.num_real_tokens
+    counts["padded"] += padded.num_padded_tokens
+    counts["samples"] += len(padded.sample_ids)
 
 
 def fp8_round_trip_error(out_root: Path) -> float:
@@ -294,6 +366,7 @@ def format_table(rows: list[dict]) -> str:
     keys = list(rows[0])
     fmt = {"tokens/s": "{:,.0f}", "samples/s": "{:.2f}", "MFU": "{:.1%}", "GPU busy": "{:.0%}",
            "write MB/s": "{:.0f}", "bytes/token": "{:,.0f}", "peak GiB": "{:.1f}", "padding": "{:.1%}",
+           "writer wait": "{:.0%}",
            "x baseline": "{:.2f}"}
     cells = [[row["variant"]] + [fmt[k].format(row[k]) for k in keys[1:]] for row in rows]
     widths = [max(len(str(x)) for x in column) for column in zip(keys, *cells)]

@@ -91,7 +91,7 @@ def run(cfg: Config, rt: Runtime, wandb_run: WandbRun) -> None:
     model = base_model_of(cfg.model, max(layer_ids) + 1, rt.device)
     capture = HiddenStateCapture(model, layer_ids, store_dtype, cfg.extract.writer_queue_batches + 2)
     writer = ShardWriter(states_dir, rt.launch_id, rt.rank, cfg.extract.shard_max_bytes,
-                         cfg.extract.writer_queue_batches)
+                         cfg.extract.writer_queue_batches, cfg.extract.writer_threads)
     progress_dir = rt.run_dir / "progress"
     meter = ProgressMeter(progress_dir, RankProgress(
         rank=rt.rank, launch_id=rt.launch_id, planned_samples=sum(len(b.sample_ids) for b in mine),
@@ -126,6 +126,11 @@ def run(cfg: Config, rt: Runtime, wandb_run: WandbRun) -> None:
     barrier_wait_s = rt.barrier("extracted", on_poll=log_progress,
                                 num_samples=stats.num_samples, num_tokens=stats.num_tokens)
     log_progress()
+    records = read_progress(progress_dir, rt.launch_id, rt.world_size)
+    elapsed = max((r["elapsed_s"] for r in records), default=0.0)
+    aggregate = sum(r["tokens_done"] for r in records) / elapsed if elapsed else 0.0
+    log.info("extraction throughput: %.0f tokens/s over %d ranks (per rank: %s)", aggregate, rt.world_size,
+             ", ".join(f"{r['tokens_done'] / r['elapsed_s']:.0f}" for r in records if r["elapsed_s"]))
     where = consolidate(states_dir, manifest, verify_new=False)
     check_totals(where, ids, lengths, manifest)
     manifest["extraction"].update(num_skipped_overlong=num_skipped, num_truncated=num_truncated)
@@ -133,6 +138,7 @@ def run(cfg: Config, rt: Runtime, wandb_run: WandbRun) -> None:
     write_manifest(states_dir, manifest)
     rt.mark("complete")
     wandb_run.summary({"extract/barrier_wait(s)": barrier_wait_s, "extract/complete": 1,
+                       "extract/aggregate_throughput(tokens/s)": aggregate,
                        "extract/num_samples": manifest["num_samples"],
                        "extract/num_tokens": manifest["num_tokens"],
                        "extract/num_skipped_overlong": num_skipped,

@@ -1,4 +1,5 @@
-"""Background shard writer: compute hands over whole batches; a thread packs and writes shards.
+"""Background shard writer: compute hands over whole batches; a thread packs them into shards
+and `writer_threads` flush threads write, checksum and journal the shards in parallel.
 
 The queue between them is bounded (`extract.writer_queue_batches`): when the disk is slower than
 the GPU, `put` blocks and that wait is measured (`compute_wait_s`), so the telemetry says which
@@ -8,20 +9,20 @@ compute thread at the next `put` or at `close`, and the shard being written is n
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
-from safetensors.torch import save as safetensors_save
+from safetensors.torch import save_file
 
-from dflash.atomic import write_bytes_atomic
-from dflash.store.shards import append_journal, journal_path, shard_name
+from dflash.atomic import write_atomic
+from dflash.store.shards import append_journal, journal_path, sha256_file, shard_name
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +100,7 @@ class ShardWriter:
     compute thread: `put` batches, then `close` (flushes the last shard, joins the thread)."""
 
     def __init__(self, states_dir: Path, launch_id: str, rank: int, shard_max_bytes: int,
-                 queue_batches: int):
+                 queue_batches: int, writer_threads: int = 2):
         self.states_dir = Path(states_dir)
         (self.states_dir / "shards").mkdir(parents=True, exist_ok=True)
         self.journal = journal_path(self.states_dir, launch_id, rank)
@@ -111,6 +112,11 @@ class ShardWriter:
         self._abort = False
         self._pending: list[tuple] = []  # (sample id, hidden [T,L,H], ids [T], mask [T], scales [T,L] | None)
         self._pending_bytes = 0
+        self._num_flushed = 0
+        self._lock = threading.Lock()
+        self._flushers = ThreadPoolExecutor(writer_threads, thread_name_prefix=f"shard-flush-r{rank}")
+        self._slots = threading.Semaphore(writer_threads)
+        self._futures: list = []
         self._thread = threading.Thread(target=self._run, name=f"shard-writer-r{rank}", daemon=True)
         self._thread.start()
 
@@ -158,7 +164,11 @@ class ShardWriter:
                     self._add(batch)
             if self._pending and not self._abort:
                 self._flush()
+            self._flushers.shutdown(wait=True)
+            for future in self._futures:
+                future.result()
         except BaseException as exc:  # handed to the compute thread
+            self._flushers.shutdown(wait=True, cancel_futures=True)
             self._error = exc
             # Drain so that a blocked `put` or `close` returns.
             while True:
@@ -184,31 +194,48 @@ class ShardWriter:
             batch.release()
 
     def _flush(self) -> None:
-        start = time.monotonic()
+        """Hand the pending samples to a flush thread (blocks while `writer_threads` shards are
+        already being written: the disk is the bottleneck then)."""
         samples, self._pending, self._pending_bytes = self._pending, [], 0
+        rel = shard_name(self.launch_id, self.rank, self._num_flushed)
+        self._num_flushed += 1
+        self._slots.acquire()
+        future = self._flushers.submit(self._write_shard, samples, rel)
+        future.add_done_callback(lambda _: self._slots.release())
+        self._futures.append(future)
+        for done in [f for f in self._futures if f.done()]:
+            self._futures.remove(done)
+            done.result()  # re-raise a flush error here
+
+    def _write_shard(self, samples: list[tuple], rel: str) -> None:
+        """Pack, write (temporary name, fsync, rename), checksum and journal one shard."""
+        start = time.monotonic()
         lengths = torch.tensor([len(s[2]) for s in samples], dtype=torch.int64)
         offsets = torch.zeros(len(samples) + 1, dtype=torch.int64)
         torch.cumsum(lengths, 0, out=offsets[1:])
         tensors = {
-            "hidden_states": torch.cat([s[1] for s in samples]).contiguous(),
+            "hidden_states": torch.cat([s[1] for s in samples]),
             "input_ids": torch.cat([s[2] for s in samples]).to(torch.int32),
             "loss_mask": torch.cat([s[3] for s in samples]).to(torch.uint8),
             "offsets": offsets,
             "sample_ids": torch.tensor([s[0] for s in samples], dtype=torch.int64),
         }
         if samples[0][4] is not None:  # fp8: value = hidden_states * hidden_scales
-            tensors["hidden_scales"] = torch.cat([s[4] for s in samples]).contiguous()
-        data = safetensors_save(tensors, metadata={"format": "pt", "dflash_format_version": "1"})
-        rel = shard_name(self.launch_id, self.rank, self.stats.num_shards)
-        write_bytes_atomic(self.states_dir / rel, data)
-        info = {"sha256": hashlib.sha256(data).hexdigest(), "num_samples": len(samples),
-                "num_tokens": int(offsets[-1]), "num_bytes": len(data)}
-        append_journal(self.journal, rel, info)
-        self.stats.num_samples += info["num_samples"]
-        self.stats.num_tokens += info["num_tokens"]
-        self.stats.num_bytes += info["num_bytes"]
-        self.stats.num_shards += 1
-        self.stats.shards.append(rel)
-        self.stats.write_s += time.monotonic() - start
-        log.debug("wrote %s: %d samples, %d tokens, %d bytes", rel, info["num_samples"],
-                  info["num_tokens"], info["num_bytes"])
+            tensors["hidden_scales"] = torch.cat([s[4] for s in samples])
+        path = self.states_dir / rel
+        # safetensors writes straight from the tensors' memory; the checksum reads the file
+        # back from the page cache. Both release the GIL, so flush threads run in parallel.
+        write_atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt",
+                                                                             "dflash_format_version": "1"}))
+        info = {"sha256": sha256_file(path), "num_samples": len(samples), "num_tokens": int(offsets[-1]),
+                "num_bytes": path.stat().st_size}
+        with self._lock:
+            append_journal(self.journal, rel, info)
+            self.stats.num_samples += info["num_samples"]
+            self.stats.num_tokens += info["num_tokens"]
+            self.stats.num_bytes += info["num_bytes"]
+            self.stats.num_shards += 1
+            self.stats.shards.append(rel)
+            self.stats.write_s += time.monotonic() - start
+        log.debug("wrote %s: %d samples, %d tokens, %d bytes", rel, info["num_samples"], info["num_tokens"],
+                  info["num_bytes"])
