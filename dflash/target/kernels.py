@@ -76,6 +76,16 @@ def bind_fast_kernels(device: torch.device) -> KernelStatus:
     return KernelStatus("fla", "fla")
 
 
+def bind_transformers_kernels() -> None:
+    """Bind what transformers itself picked at import (fla's delta rule when fla is installed,
+    the torch conv unless the `causal-conv1d` package is): a plain transformers run, as the
+    predecessor's scripts ran (the benchmark's baseline)."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as modeling
+
+    for name, function in _REFERENCE.items():
+        setattr(modeling, name, function)
+
+
 def bind_reference_kernels() -> None:
     """Bind transformers' plain torch implementations, whatever packages are installed (parity
     tests compare the fast path against them). `bind_fast_kernels` binds fla again."""

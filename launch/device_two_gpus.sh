@@ -1,0 +1,22 @@
+#!/bin/bash
+# The 2xH200 run of docs/benchmarks.md (device tool, kind nvidia-h200-x2): stage=bench on GPU 0,
+# then stage=extract on the Qwen3.6-27B shape (random weights, random-token ShareGPT-like data)
+# with 1 process on GPU 0 and with 2 processes, each timed by the stage itself.
+set -euo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 WANDB_MODE=offline
+nvidia-smi --query-gpu=index,name,memory.total --format=csv
+COMMON=(model=qwen3_6_27b model.init=random 'extract.layer_ids=[1,16,31,46,61]' extract.token_budget=12000
+        data=random_tokens data.num_samples=${NUM_SAMPLES:-900} output_root=/tmp/out)
+if [ "${BENCH:-1}" = 1 ]; then
+  CUDA_VISIBLE_DEVICES=0 python3 dflash/main.py stage=bench bench=h200 "${COMMON[@]}" run_name=bench \
+    wandb.mode=disabled 2>&1 | grep -v "Loading weights\|falling back" | tee $OUT/bench.log | grep -A9 "bench results"
+fi
+CUDA_VISIBLE_DEVICES=0 python3 dflash/main.py stage=extract "${COMMON[@]}" run_name=one_gpu 2>&1 \
+  | grep -v "Loading weights\|falling back\|it/s\]" | tee $OUT/one_gpu.log | grep "throughput\|complete\|Error" || true
+rm -rf /tmp/out/one_gpu/states
+python3 -m accelerate.commands.launch --multi_gpu --num_processes 2 --main_process_port 29600 dflash/main.py \
+  stage=extract "${COMMON[@]}" run_name=two_gpus 2>&1 | grep -v "Loading weights\|falling back\|it/s\]" \
+  | tee $OUT/two_gpus.log | grep "throughput\|complete\|barrier\|Error" || true
+cp /tmp/out/two_gpus/wandb/offline-run-*/run-*.wandb $OUT/two_gpus.wandb 2>/dev/null || true
+cp /tmp/out/two_gpus/progress/*.json $OUT/ 2>/dev/null || true
