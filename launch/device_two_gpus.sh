@@ -15,6 +15,7 @@ fi
 CUDA_VISIBLE_DEVICES=0 python3 dflash/main.py stage=extract "${COMMON[@]}" run_name=one_gpu 2>&1 \
   | grep -v "Loading weights\|falling back\|it/s\]" | tee $OUT/one_gpu.log | grep "throughput\|complete\|Error" || true
 rm -rf /tmp/out/one_gpu/states
+[ "$(nvidia-smi -L | wc -l)" -ge 2 ] || { echo "one GPU: no 2-process run"; exit 0; }
 python3 -m accelerate.commands.launch --multi_gpu --num_processes 2 --main_process_port 29600 dflash/main.py \
   stage=extract "${COMMON[@]}" run_name=two_gpus 2>&1 | grep -v "Loading weights\|falling back\|it/s\]" \
   | tee $OUT/two_gpus.log | grep "throughput\|complete\|barrier\|Error" || true
