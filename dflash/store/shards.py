@@ -130,3 +130,39 @@ def collect_valid_shards(states_dir: Path, known: dict[str, dict[str, Any]],
             log.info("removing %s %s (left by an interrupted writer)", kind, path)
             path.unlink()
     return dict(sorted(valid.items()))
+
+
+_SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float8_e4m3fn: "F8_E4M3", torch.float32: "F32",
+                       torch.float16: "F16", torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8"}
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
+    """Write `tensors` as a safetensors file at `path` and return the file's sha256.
+
+    The layout is safetensors' own (8-byte header length, JSON header with dtype, shape and
+    data_offsets, padded to 8 bytes, then the raw tensors); files are read with safetensors'
+    `safe_open`. Written here rather than with `safetensors.torch.save_file` because that call
+    holds the GIL for the whole write (a 1 GB shard stalls the compute thread's kernel launches
+    for the duration), while `file.write` and `hashlib` on large buffers release it; and the
+    checksum is taken on the way out instead of by reading the file back."""
+    order = sorted(tensors, key=lambda name: (-tensors[name].element_size(), name))  # keeps alignment
+    header: dict = {"__metadata__": metadata}
+    offset = 0
+    for name in order:
+        t = tensors[name]
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    header_bytes = json.dumps(header, separators=(",", ":")).encode()
+    header_bytes += b" " * (-len(header_bytes) % 8)
+    digest = hashlib.sha256()
+    with open(path, "wb") as f:
+        for chunk in (len(header_bytes).to_bytes(8, "little"), header_bytes):
+            f.write(chunk)
+            digest.update(chunk)
+        for name in order:
+            data = memoryview(tensors[name].contiguous().reshape(-1).view(torch.uint8).numpy())
+            f.write(data)
+            digest.update(data)
+    return digest.hexdigest()

@@ -19,10 +19,9 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from safetensors.torch import save_file
 
 from dflash.atomic import write_atomic
-from dflash.store.shards import append_journal, journal_path, sha256_file, shard_name
+from dflash.store.shards import append_journal, journal_path, shard_name, write_safetensors
 
 log = logging.getLogger(__name__)
 
@@ -223,11 +222,10 @@ class ShardWriter:
         if samples[0][4] is not None:  # fp8: value = hidden_states * hidden_scales
             tensors["hidden_scales"] = torch.cat([s[4] for s in samples])
         path = self.states_dir / rel
-        # safetensors writes straight from the tensors' memory; the checksum reads the file
-        # back from the page cache. Both release the GIL, so flush threads run in parallel.
-        write_atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt",
-                                                                             "dflash_format_version": "1"}))
-        info = {"sha256": sha256_file(path), "num_samples": len(samples), "num_tokens": int(offsets[-1]),
+        checksum: list[str] = []
+        write_atomic(path, lambda tmp: checksum.append(write_safetensors(
+            tmp, tensors, {"format": "pt", "dflash_format_version": "1"})))
+        info = {"sha256": checksum[0], "num_samples": len(samples), "num_tokens": int(offsets[-1]),
                 "num_bytes": path.stat().st_size}
         with self._lock:
             append_journal(self.journal, rel, info)

@@ -181,3 +181,22 @@ def test_manifest_has_the_published_keys(tmp_path):
         assert offsets.dtype == torch.int64 and offsets[0] == 0
         assert f.get_slice("hidden_states").get_shape()[0] == int(offsets[-1])
         assert np.all(np.diff(offsets.numpy()) > 0)
+
+
+def test_write_safetensors_is_read_by_safetensors(tmp_path):
+    import hashlib
+
+    from safetensors.torch import load_file
+
+    from dflash.store.shards import write_safetensors
+
+    tensors = {"hidden_states": torch.randn(5, 3, 8).to(torch.bfloat16),
+               "hidden_scales": torch.rand(5, 3), "fp8": torch.randn(4, 4).to(torch.float8_e4m3fn),
+               "input_ids": torch.arange(5, dtype=torch.int32), "loss_mask": torch.ones(5, dtype=torch.uint8),
+               "offsets": torch.tensor([0, 2, 5])}
+    digest = write_safetensors(tmp_path / "x.safetensors", tensors, {"format": "pt"})
+    assert digest == hashlib.sha256((tmp_path / "x.safetensors").read_bytes()).hexdigest()
+    loaded = load_file(str(tmp_path / "x.safetensors"))
+    assert loaded.keys() == tensors.keys()
+    for name, t in tensors.items():
+        assert loaded[name].dtype == t.dtype and torch.equal(loaded[name].view(torch.uint8), t.view(torch.uint8))
