@@ -18,6 +18,7 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from dflash.config import STAGE_SEQUENCE, Config, ConfigError, register_configs, resolve_config
@@ -38,6 +39,11 @@ def main(dict_cfg: DictConfig) -> None:
     except ConfigError as exc:
         log.error("%s", exc)
         sys.exit(2)
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode == RunMode.MULTIRUN:  # each job of a sweep in its own subdir, one W&B group
+        cfg.run_dir = hydra_cfg.runtime.output_dir
+        cfg.run_name = f"{cfg.run_name}/{hydra_cfg.sweep.subdir}"
+        cfg.wandb.group = cfg.wandb.group or Path(hydra_cfg.sweep.dir).name
     run_stages(cfg)
 
 

@@ -39,6 +39,17 @@ def _payloads(data: bytes):
             pending = b""
 
 
+def read_run_group(run_dir: Path) -> str:
+    """The W&B group of the offline run in `run_dir`."""
+    (log_file,) = Path(run_dir).glob("run-*.wandb")
+    for payload in _payloads(log_file.read_bytes()):
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(payload)
+        if record.HasField("run"):
+            return record.run.run_group
+    return ""
+
+
 def read_history(run_dir: Path) -> tuple[list[dict], dict]:
     """(history rows, summary) of the offline run in `run_dir` (a `wandb/offline-run-*` dir)."""
     (log_file,) = Path(run_dir).glob("run-*.wandb")

@@ -14,7 +14,7 @@ by itself (fla's delta rule when fla is installed, the torch conv). `padded` = d
 exactly what stage=extract runs (prefetch thread, truncated base model, fla kernels on GPU,
 side-stream copies into pinned buffers, the shard writer writing to `${run_dir}/bench/`).
 `padded_nowrite` = the same minus the disk (batches copied, checked, dropped).
-`padded_fp8` = the same storing float8_e4m3fn. Writes `${run_dir}/bench.json` and logs to W&B.
+`padded_fp8` = the same storing float8_e4m3fn. Rank 0 writes `${run_dir}/bench.json` and logs to W&B; every rank logs its own table.
 
 MFU = 2 x (parameters of decoder layers 0..max(layer_ids)) x real tokens/s over the rate of a
 bf16 matrix product measured in the same run (float32 on a CPU); padded tokens do not count.
@@ -46,7 +46,7 @@ from dflash.store.writer import ShardWriter
 from dflash.target.capture import HiddenStateCapture, pad_right
 from dflash.target.extraction import prefetch_inputs, run_extraction
 from dflash.target.kernels import bind_fast_kernels, bind_transformers_kernels
-from dflash.target.load import load_causal_lm
+from dflash.target.load import ensure_target, load_causal_lm
 from dflash.telemetry import WandbRun, nvml_metrics
 
 log = logging.getLogger(__name__)
@@ -78,6 +78,7 @@ class VariantResult:
 def run(cfg: Config, rt: Runtime, wandb_run: WandbRun) -> None:
     device = rt.device
     kernels = bind_fast_kernels(device)
+    rt.main_first("target", lambda: ensure_target(cfg.model))  # rank 0 builds an embedded target
     lm = causal_lm(cfg, device)
     num_layers_total = lm.config.num_hidden_layers
     layer_ids = (list(cfg.extract.layer_ids) if cfg.extract.layer_ids is not None
@@ -104,7 +105,7 @@ def run(cfg: Config, rt: Runtime, wandb_run: WandbRun) -> None:
 
     results: list[VariantResult] = []
     warm, timed = batches[: b.warmup_batches], batches
-    out_root = rt.run_dir / "bench"
+    out_root = rt.run_dir / "bench" / f"rank{rt.rank}"  # every rank benchmarks its own device
     # Triton compiles kernels per new shape: one untimed pass over every batch shape first, so
     # that no variant pays for compilation (a long run meets each shape early and then reuses it).
     forward_only(base, layer_ids, fetch_rows, batches, device)
@@ -136,7 +137,8 @@ def run(cfg: Config, rt: Runtime, wandb_run: WandbRun) -> None:
               "num_samples": len(lengths), "num_tokens": int(lengths.sum()), "flops_per_token": flops_per_token,
               "matmul_flops": matmul_flops, "fast_kernels": kernels.fast, "fp8_relative_error": fp8_error,
               "rows": rows}
-    write_json_atomic(rt.run_dir / "bench.json", report)
+    if rt.is_main:
+        write_json_atomic(rt.run_dir / "bench.json", report)
     log.info("bench results (%s, %s, budget %d):\n%s%s", report["device"], cfg.model.name,
              cfg.extract.token_budget, format_table(rows),
              f"\nfp8 round trip: relative RMS error {fp8_error:.4f}" if fp8_error is not None else "")
@@ -149,9 +151,6 @@ def causal_lm(cfg: Config, device: torch.device) -> torch.nn.Module:
     """The whole target with its lm_head (the baseline needs it), random or from a checkpoint."""
     dtype = getattr(torch, cfg.model.dtype)
     if cfg.model.init != "random":
-        from dflash.target.load import ensure_target
-
-        ensure_target(cfg.model)
         return load_causal_lm(cfg.model.path, dtype, device)
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
