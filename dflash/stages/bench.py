@@ -46,7 +46,7 @@ from dflash.store.writer import ShardWriter
 from dflash.target.capture import HiddenStateCapture, pad_right
 from dflash.target.extraction import prefetch_inputs, run_extraction
 from dflash.target.kernels import bind_fast_kernels, bind_transformers_kernels
-from dflash.target.load import ensure_target, load_causal_lm
+from dflash.target.load import build_random_model, ensure_target, load_causal_lm
 from dflash.telemetry import WandbRun, nvml_metrics
 
 log = logging.getLogger(__name__)
@@ -150,22 +150,10 @@ def run(cfg: Config, rt: Runtime, wandb_run: WandbRun) -> None:
 def causal_lm(cfg: Config, device: torch.device) -> torch.nn.Module:
     """The whole target with its lm_head (the baseline needs it), random or from a checkpoint."""
     dtype = getattr(torch, cfg.model.dtype)
-    if cfg.model.init != "random":
-        return load_causal_lm(cfg.model.path, dtype, device)
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
-
-    config = Qwen3_5TextConfig(**cfg.model.architecture)
-    config.use_cache = False
-    config._attn_implementation = cfg.model.attn_implementation
-    torch.manual_seed(cfg.model.seed)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = Qwen3_5ForCausalLM(config)
-    finally:
-        torch.set_default_dtype(previous)
-    return model.eval().requires_grad_(False)
+    if cfg.model.init == "random":
+        return build_random_model(cfg.model.architecture, cfg.model.seed, dtype, device,
+                                  cfg.model.attn_implementation, with_lm_head=True)
+    return load_causal_lm(cfg.model.path, dtype, device)
 
 
 def truncated_base(base: torch.nn.Module, num_layers: int) -> torch.nn.Module:

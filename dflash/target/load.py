@@ -130,16 +130,19 @@ def load_base_model(path: str | Path, num_layers: int, dtype: torch.dtype, devic
     return model
 
 
-def build_random_base_model(architecture: dict[str, Any], seed: int, num_layers: int, dtype: torch.dtype,
-                            device: torch.device, attn_implementation: str = "sdpa") -> torch.nn.Module:
-    """A `Qwen3_5TextModel` of `architecture` with layers 0..num_layers-1 and random weights
-    drawn from `seed`, built directly on `device` in `dtype` (`model.init=random`: benchmarks at
-    the real shape without a checkpoint; a 27B-shaped model builds in seconds on a GPU)."""
-    from transformers import Qwen3_5TextConfig, Qwen3_5TextModel
+def build_random_model(architecture: dict[str, Any], seed: int, dtype: torch.dtype, device: torch.device,
+                       attn_implementation: str = "sdpa", num_layers: int | None = None,
+                       with_lm_head: bool = False) -> torch.nn.Module:
+    """A Qwen3.5 text model of `architecture` (layers 0..num_layers-1 when given) with random
+    weights drawn from `seed`, built directly on `device` in `dtype`: `Qwen3_5TextModel`, or
+    `Qwen3_5ForCausalLM` when `with_lm_head` (`model.init=random`: benchmarks at the real shape
+    without a checkpoint; a 27B-shaped model builds in seconds on a GPU)."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3_5TextModel
 
     config = Qwen3_5TextConfig(**architecture)
-    config.num_hidden_layers = num_layers
-    config.layer_types = config.layer_types[:num_layers]
+    if num_layers is not None:
+        config.num_hidden_layers = num_layers
+        config.layer_types = config.layer_types[:num_layers]
     config.use_cache = False
     config._attn_implementation = attn_implementation
     torch.manual_seed(seed)
@@ -147,7 +150,7 @@ def build_random_base_model(architecture: dict[str, Any], seed: int, num_layers:
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = Qwen3_5TextModel(config)
+            model = (Qwen3_5ForCausalLM if with_lm_head else Qwen3_5TextModel)(config)
     finally:
         torch.set_default_dtype(previous)
     return model.eval().requires_grad_(False)
@@ -196,6 +199,6 @@ def base_model_of(cfg: ModelConfig, num_layers: int, device: torch.device) -> to
     """The configured target's base model, truncated to `num_layers` layers, on `device`."""
     dtype = getattr(torch, cfg.dtype)
     if cfg.init == "random":
-        return build_random_base_model(cfg.architecture or {}, cfg.seed, num_layers, dtype, device,
-                                       cfg.attn_implementation)
+        return build_random_model(cfg.architecture or {}, cfg.seed, dtype, device, cfg.attn_implementation,
+                                  num_layers=num_layers)
     return load_base_model(cfg.path, num_layers, dtype, device, cfg.attn_implementation)

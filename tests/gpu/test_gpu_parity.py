@@ -28,12 +28,12 @@ def test_fast_path_matches_single_sample_reference(store_dtype):
 
     from dflash.target.capture import HiddenStateCapture, pad_right
     from dflash.target.kernels import bind_fast_kernels, bind_reference_kernels
-    from dflash.target.load import build_random_base_model
+    from dflash.target.load import build_random_model
 
     device = torch.device("cuda")
     status = bind_fast_kernels(device)
     assert status.fast, status
-    base = build_random_base_model(MID, 0, max(LAYER_IDS) + 1, torch.bfloat16, device)
+    base = build_random_model(MID, 0, torch.bfloat16, device, num_layers=max(LAYER_IDS) + 1)
     gen = torch.Generator().manual_seed(0)
     samples = [torch.randint(0, MID["vocab_size"], (n,), generator=gen).tolist() for n in LENGTHS]
     capture = HiddenStateCapture(base, LAYER_IDS, store_dtype)
