@@ -7,7 +7,7 @@ from pathlib import Path
 import datasets
 import pytest
 
-from conftest import compose_config, run_extract, small_overrides
+from conftest import run_extract
 from dflash.data.prepare import BadSample
 from dflash.store.manifest import ManifestMismatch, read_manifest
 
