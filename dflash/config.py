@@ -258,6 +258,9 @@ class TrainConfig:
     """`auto` (flex attention on GPU, dense-mask SDPA on CPU), `flex` or `sdpa`."""
     export_dtype: str = "bfloat16"
     """Dtype of the exported weights."""
+    verify_checksums: bool = True
+    """Check every shard's sha256 at the start (split over the ranks; reads the whole states dir
+    once per launch, minutes per TB)."""
 
     def check(self) -> None:
         for key in ("num_anchors", "num_epochs", "grad_accum_steps", "checkpoint_every_steps",

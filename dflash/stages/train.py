@@ -50,7 +50,7 @@ def run(cfg: Config, rt: Runtime, wandb_run: WandbRun) -> None:
     reader = StateReader(states_dir)  # refuses an unfinished extraction
     manifest = reader.manifest
     for rel in manifest["shards"][rt.rank::rt.world_size]:  # every rank checks its share
-        verify_shard(states_dir, rel, manifest["shard_info"][rel])
+        verify_shard(states_dir, rel, manifest["shard_info"][rel], check_hash=cfg.train.verify_checksums)
     arch = drafter_arch(cfg.drafter, manifest)
     train_ids, heldout_ids = split_ids(reader.sample_ids, cfg.train.eval_fraction, cfg.seed)
     if not train_ids:
