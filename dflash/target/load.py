@@ -80,11 +80,7 @@ def build_embedded(path: str | Path, architecture: dict[str, Any], seed: int, em
     if (path / "config.json").exists():
         _check_embedded(path, record)
         return
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
-
-    config = Qwen3_5TextConfig(**architecture)
-    torch.manual_seed(seed)
-    model = Qwen3_5ForCausalLM(config)
+    model = build_random_model(architecture, seed, torch.float32, torch.device("cpu"), with_lm_head=True)
     with torch.no_grad():
         torch.nn.init.normal_(model.model.embed_tokens.weight, std=embedding_init_std)
     tmp = path.with_name(path.name + ".tmp")
