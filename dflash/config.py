@@ -24,7 +24,7 @@ STAGE_SEQUENCE = {
     "bench": ("bench",),
 }
 STAGES = tuple(STAGE_SEQUENCE)
-BENCH_VARIANTS = ("forward_only", "baseline", "padded", "padded_nowrite", "padded_fp8")
+BENCH_VARIANTS = ("forward_only", "baseline", "padded_eager", "padded", "padded_nowrite", "padded_fp8")
 STORE_DTYPES = ("bfloat16", "float8_e4m3fn")
 COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
 
@@ -147,6 +147,10 @@ class ExtractConfig:
     """Threads writing, checksumming and journaling shards in parallel."""
     progress_interval_s: float = 5.0
     """Seconds between progress records (per-rank JSON, W&B)."""
+    compile: Optional[bool] = None
+    """Regional torch.compile of the target's decoder layers (fuses the elementwise work around
+    the matrix products; `dflash.target.compile`). None: on CUDA only."""
+
     def check(self) -> None:
         _require(self.token_budget > 0, "extract.token_budget", f"must be > 0, got {self.token_budget}")
         _require(self.max_batch_size > 0, "extract.max_batch_size", f"must be > 0, got {self.max_batch_size}")
@@ -300,7 +304,12 @@ class BenchConfig:
     on the same target, lengths and token budget, in one process."""
 
     num_samples: int = 64
-    """Samples drawn (random token ids) per variant."""
+    """Samples in the drawn data set (their lengths): the whole set is planned into token-budget
+    batches, as stage=extract plans a real data set, so batch shapes and padding are those of a
+    run of this size."""
+    num_batches: int = 0
+    """Batches of that plan that each variant runs, evenly spaced from the longest to the
+    shortest (token ids are drawn for these only); 0: all of them."""
     length_mean: float = 335.0
     """Mean sample length in tokens (log-normal; ShareGPT-like)."""
     length_sigma: float = 1.0
@@ -313,9 +322,10 @@ class BenchConfig:
     """Batches run before timing each variant (Triton compiles per new shape)."""
     variants: list[str] = field(default_factory=lambda: ["baseline", "padded", "padded_fp8"])
     """Among `forward_only` (the ceiling: forward and hooks, nothing copied out), `baseline`
-    (padded batches, hooks, the full causal LM with logits, a synchronous copy per batch),
-    `padded` (dflash: the stage=extract path, writer included), `padded_nowrite` (the same
-    without the disk), `padded_fp8` (float8_e4m3fn storage). See dflash/stages/bench.py."""
+    (padded batches, hooks, the full causal LM with logits and cache, a synchronous copy per
+    batch), `padded` (dflash: the stage=extract path, writer included), `padded_eager` (the
+    same without torch.compile), `padded_nowrite` (without the disk), `padded_fp8`
+    (float8_e4m3fn storage). See dflash/stages/bench.py."""
     matmul_size: int = 8192
     """Side of the square bf16 matrix product whose rate MFU is measured against (CPU: float32)."""
     seed: int = 0
@@ -324,6 +334,7 @@ class BenchConfig:
     def check(self) -> None:
         for key in ("num_samples", "min_length", "max_length", "matmul_size"):
             _require(getattr(self, key) > 0, f"bench.{key}", f"must be > 0, got {getattr(self, key)}")
+        _require(self.num_batches >= 0, "bench.num_batches", f"must be >= 0, got {self.num_batches}")
         _require(self.min_length <= self.max_length, "bench.min_length", "must be <= bench.max_length")
         bad = [v for v in self.variants if v not in BENCH_VARIANTS]
         _require(not bad and bool(self.variants), "bench.variants", f"unknown variants {bad}")

@@ -5,16 +5,19 @@ path, on the same target, lengths and token budget, in one process; prints a tab
         extract.layer_ids=[1,16,31,46,61] extract.token_budget=12000      # one H200
     python dflash/main.py stage=bench bench=smoke                          # CPU smoke, tiny target
 
-Every batch shape runs once untimed before the variants (Triton compiles per shape).
-Variants: `forward_only` = the ceiling: the truncated forward with its hooks, inputs already on
-the device, nothing copied out. `baseline` = what the predecessor's final script did: length-sorted padded batches,
-hooks on the layers, the full causal LM (every layer and the lm_head's logits), a synchronous
-`.cpu()` of the stacked states per batch, nothing written, with the kernels transformers picks
-by itself (fla's delta rule when fla is installed, the torch conv). `padded` = dflash's extraction path,
-exactly what stage=extract runs (prefetch thread, truncated base model, fla kernels on GPU,
-side-stream copies into pinned buffers, the shard writer writing to `${run_dir}/bench/`).
-`padded_nowrite` = the same minus the disk (batches copied, checked, dropped).
-`padded_fp8` = the same storing float8_e4m3fn. Rank 0 writes `${run_dir}/bench.json` and logs to W&B; every rank logs its own table.
+Every batch shape runs once untimed before the variants (Triton and torch.compile compile per
+shape class). Variants: `forward_only` = the ceiling: the truncated forward with its hooks,
+inputs already on the device, nothing copied out. `baseline` = what the predecessor's final
+script did: length-sorted padded batches with their attention mask, hooks on the layers, the
+full causal LM (every layer and the lm_head's logits), a synchronous `.cpu()` of the stacked
+states per batch, nothing written, eager, with the kernels transformers picks by itself (fla's
+delta rule when fla is installed, the torch conv). `padded` = dflash's extraction path, exactly
+what stage=extract runs (prefetch thread, truncated base model, fla kernels on GPU, unmasked
+right-padded batches, compiled decoder layers per `extract.compile`, side-stream copies into
+pinned buffers, the shard writer writing to `${run_dir}/bench/`). `padded_eager` = the same
+without torch.compile. `padded_nowrite` = the same minus the disk (batches copied, checked,
+dropped). `padded_fp8` = the same storing float8_e4m3fn. Rank 0 writes `${run_dir}/bench.json`
+and logs to W&B; every rank logs its own table.
 
 MFU = 2 x (parameters of decoder layers 0..max(layer_ids)) x real tokens/s over the rate of a
 bf16 matrix product measured in the same run (float32 on a CPU); padded tokens do not count.
@@ -44,6 +47,7 @@ from dflash.store.layers import check_layer_ids, zlab_target_layer_ids
 from dflash.store.manifest import new_manifest, write_manifest
 from dflash.store.writer import ShardWriter
 from dflash.target.capture import HiddenStateCapture, pad_right
+from dflash.target.compile import compile_decoder_layers, restore_eager, should_compile
 from dflash.target.extraction import prefetch_inputs, run_extraction
 from dflash.target.kernels import bind_fast_kernels, bind_transformers_kernels
 from dflash.target.load import build_random_model, ensure_target, load_causal_lm
@@ -88,17 +92,20 @@ def run(cfg: Config, rt: Runtime, wandb_run: WandbRun) -> None:
     flops_per_token = 2 * sum(p.numel() for p in base.layers.parameters())
     matmul_flops = matmul_rate(device, cfg.bench.matmul_size)
 
-    rng = np.random.default_rng(cfg.bench.seed)
     b = cfg.bench
+    rng = np.random.default_rng(b.seed)
     lengths = np.clip(np.rint(rng.lognormal(np.log(b.length_mean) - b.length_sigma**2 / 2, b.length_sigma,
                                             b.num_samples)), b.min_length, b.max_length).astype(np.int64)
+    plan = plan_batches(np.arange(len(lengths)), lengths, cfg.extract.token_budget, cfg.extract.max_batch_size)
+    batches = timed_batches(plan, b.num_batches)
     vocab = lm.config.vocab_size
-    tokens = {i: rng.integers(0, vocab, size=int(n)).tolist() for i, n in enumerate(lengths)}
-    batches = plan_batches(np.arange(len(lengths)), lengths, cfg.extract.token_budget, cfg.extract.max_batch_size)
-    log.info("bench: %d samples, %d tokens (mean %.0f, max %d), %d batches under a %d-token budget; layers %s of "
-             "%d; %.1f GFLOP/token; matmul %.1f TFLOP/s; kernels %s", len(lengths), lengths.sum(),
-             lengths.mean(), lengths.max(), len(batches), cfg.extract.token_budget, layer_ids, num_layers_total,
-             flops_per_token / 1e9, matmul_flops / 1e12, kernels)
+    tokens = {s: rng.integers(0, vocab, size=int(lengths[s])).tolist() for batch in batches for s in batch.sample_ids}
+    num_tokens = sum(batch.num_real_tokens for batch in batches)
+    log.info("bench: %d samples (mean %.0f tokens, max %d) planned into %d batches under a %d-token budget "
+             "(padding %.1f%%); %d of them run, %d samples, %d tokens; layers %s of %d; %.1f GFLOP/token; "
+             "matmul %.1f TFLOP/s; kernels %s", len(lengths), lengths.mean(), lengths.max(), len(plan),
+             cfg.extract.token_budget, 100 * padding_fraction(plan), len(batches), len(tokens), num_tokens,
+             layer_ids, num_layers_total, flops_per_token / 1e9, matmul_flops / 1e12, kernels)
 
     def fetch_rows(sample_ids):
         return [tokens[s] for s in sample_ids], [[1] * len(tokens[s]) for s in sample_ids]
@@ -106,12 +113,22 @@ def run(cfg: Config, rt: Runtime, wandb_run: WandbRun) -> None:
     results: list[VariantResult] = []
     warm, timed = batches[: b.warmup_batches], batches
     out_root = rt.run_dir / "bench" / f"rank{rt.rank}"  # every rank benchmarks its own device
-    # Triton compiles kernels per new shape: one untimed pass over every batch shape first, so
-    # that no variant pays for compilation (a long run meets each shape early and then reuses it).
+    compiled = should_compile(cfg.extract.compile, device)
+    # Triton and torch.compile compile per new shape: one untimed pass over every batch shape
+    # first, so that no variant pays for compilation (a long run meets each shape early and
+    # then reuses it).
+    if compiled:
+        compile_decoder_layers(base.layers)
+    start = time.perf_counter()
     forward_only(base, layer_ids, fetch_rows, batches, device)
+    log.info("untimed pass over every batch shape (compiles): %.1f s", time.perf_counter() - start)
     for name in b.variants:
         shutil.rmtree(out_root / name, ignore_errors=True)
         bind_fast_kernels(device)
+        if compiled and name not in ("baseline", "padded_eager"):
+            compile_decoder_layers(base.layers)
+        else:
+            restore_eager(base.layers)  # the layers are shared with `lm`
         if name == "baseline":
             bind_transformers_kernels()  # as the predecessor ran: transformers' own kernel choice
             run_variant = lambda plan: baseline(lm, layer_ids, fetch_rows, plan, device)  # noqa: E731
@@ -122,20 +139,24 @@ def run(cfg: Config, rt: Runtime, wandb_run: WandbRun) -> None:
             run_variant = lambda plan, dtype=dtype, name=name: dflash_path(  # noqa: E731
                 cfg, base, layer_ids, dtype, fetch_rows, plan, device, out_root / name,
                 discard=name == "padded_nowrite")
+        log.info("%s: %s decoder layers", name, "compiled" if "forward" in vars(base.layers[0]) else "eager")
         run_variant(warm)
         shutil.rmtree(out_root / name, ignore_errors=True)
         result = measure(name, lambda: run_variant(timed), device)
         results.append(result)
         log.info("%s: %.1f s, %d tokens", name, result.seconds, result.real_tokens)
     bind_fast_kernels(device)
+    restore_eager(base.layers)
 
     base_result = next((r for r in results if r.name == "baseline"), None)
     rows = [r.row(flops_per_token, matmul_flops, base_result) for r in results]
     fp8_error = fp8_round_trip_error(out_root) if {"padded", "padded_fp8"} <= set(b.variants) else None
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "model": cfg.model.name, "layer_ids": layer_ids, "token_budget": cfg.extract.token_budget,
-              "num_samples": len(lengths), "num_tokens": int(lengths.sum()), "flops_per_token": flops_per_token,
-              "matmul_flops": matmul_flops, "fast_kernels": kernels.fast, "fp8_relative_error": fp8_error,
+              "num_samples": len(tokens), "num_tokens": num_tokens, "plan_num_samples": len(lengths),
+              "plan_num_batches": len(plan), "plan_padding": padding_fraction(plan), "flops_per_token": flops_per_token,
+              "matmul_flops": matmul_flops, "fast_kernels": kernels.fast, "compiled": compiled,
+              "fp8_relative_error": fp8_error,
               "rows": rows}
     if rt.is_main:
         write_json_atomic(rt.run_dir / "bench.json", report)
@@ -145,6 +166,18 @@ def run(cfg: Config, rt: Runtime, wandb_run: WandbRun) -> None:
     wandb_run.summary({f"bench/{row['variant']}/{key}": value for row in rows for key, value in row.items()
                        if key != "variant"})
     shutil.rmtree(out_root, ignore_errors=True)
+
+
+def timed_batches(plan: list, num_batches: int) -> list:
+    """`num_batches` batches of `plan` evenly spaced from its first (longest) to its last
+    (shortest), in plan order; all of `plan` when `num_batches` is 0 or covers it."""
+    if not 0 < num_batches < len(plan):
+        return list(plan)
+    return [plan[i] for i in np.unique(np.linspace(0, len(plan) - 1, num_batches).round().astype(int))]
+
+
+def padding_fraction(plan: list) -> float:
+    return 1 - sum(b.num_real_tokens for b in plan) / sum(b.num_padded_tokens for b in plan)
 
 
 def causal_lm(cfg: Config, device: torch.device) -> torch.nn.Module:
@@ -234,8 +267,10 @@ def measure(name: str, work, device: torch.device) -> VariantResult:
 
 @torch.inference_mode()
 def baseline(lm, layer_ids, fetch_rows, plan, device) -> dict:
-    """The predecessor's final design: padded batches, hooks on the layers, the full causal LM
-    with logits, a synchronous copy of the stacked states per batch."""
+    """The predecessor's final design: padded batches with their attention mask, hooks on the
+    layers, the full causal LM called as its script called it (logits of every position, the
+    model's default `use_cache=True` of the real checkpoint), a synchronous copy of the stacked
+    states per batch."""
     captured: dict[int, torch.Tensor] = {}
     handles = [lm.model.layers[i].register_forward_hook(
         lambda module, args, out, i=i: captured.__setitem__(i, out)) for i in layer_ids]
@@ -245,7 +280,7 @@ def baseline(lm, layer_ids, fetch_rows, plan, device) -> dict:
             ids, masks = fetch_rows(batch.sample_ids)
             padded = pad_right(list(batch.sample_ids), ids, masks)
             attention = padded.attention_mask_BS.to(device) if padded.attention_mask_BS is not None else None
-            lm(input_ids=padded.input_ids_BS.to(device), attention_mask=attention, use_cache=False)
+            lm(input_ids=padded.input_ids_BS.to(device), attention_mask=attention, use_cache=True)
             torch.stack([captured[i] for i in layer_ids], dim=2).cpu()
             counts["real"] += padded.num_real_tokens
             counts["padded"] += padded.num_padded_tokens
@@ -258,22 +293,21 @@ def baseline(lm, layer_ids, fetch_rows, plan, device) -> dict:
 
 @torch.inference_mode()
 def forward_only(base, layer_ids, fetch_rows, plan, device) -> dict:
-    """The ceiling: the truncated forward with hooks filling a device buffer, inputs already on
-    the device, nothing copied out or written."""
+    """The ceiling: the truncated forward (unmasked, as the capture runs it) with hooks filling
+    a device buffer, inputs already on the device, nothing copied out or written."""
     inputs = []
     for batch in plan:
         ids, masks = fetch_rows(batch.sample_ids)
         padded = pad_right(list(batch.sample_ids), ids, masks)
-        inputs.append((padded, padded.input_ids_BS.to(device),
-                       padded.attention_mask_BS.to(device) if padded.attention_mask_BS is not None else None))
+        inputs.append((padded, padded.input_ids_BS.to(device)))
     capture = HiddenStateCapture(base, layer_ids, torch.bfloat16)
     counts = {"real": 0, "padded": 0, "samples": 0, "bytes": 0}
     sync(device)
     try:
-        for padded, input_ids, attention_mask in inputs:
+        for padded, input_ids in inputs:
             capture._buffer = torch.empty(*input_ids.shape, len(layer_ids), base.config.hidden_size,
                                           dtype=torch.bfloat16, device=device)
-            base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            base(input_ids=input_ids, use_cache=False)
             counts["real"] += padded.num_real_tokens
             counts["padded"] += padded.num_padded_tokens
             counts["samples"] += len(padded.sample_ids)

@@ -37,6 +37,7 @@ from dflash.store.manifest import check_compatible, new_manifest, read_manifest,
 from dflash.store.writer import ShardWriter
 from dflash.target.capture import HiddenStateCapture
 from dflash.target.extraction import RowFetcher, prefetch_inputs, run_extraction
+from dflash.target.compile import compile_decoder_layers, should_compile
 from dflash.target.kernels import bind_fast_kernels
 from dflash.target.load import base_model_of, ensure_target, target_info_of
 from dflash.telemetry import (ProgressMeter, RankProgress, WandbRun, nvml_metrics, read_progress,
@@ -89,6 +90,9 @@ def run(cfg: Config, rt: Runtime, wandb_run: WandbRun) -> None:
     # -- loop ------------------------------------------------------------------------------
     kernels = bind_fast_kernels(rt.device)
     model = base_model_of(cfg.model, max(layer_ids) + 1, rt.device)
+    compiled = should_compile(cfg.extract.compile, rt.device)
+    if compiled:
+        compile_decoder_layers(model.layers)
     capture = HiddenStateCapture(model, layer_ids, store_dtype, cfg.extract.writer_queue_batches + 2)
     writer = ShardWriter(states_dir, rt.launch_id, rt.rank, cfg.extract.shard_max_bytes,
                          cfg.extract.writer_queue_batches, cfg.extract.writer_threads)
@@ -107,7 +111,7 @@ def run(cfg: Config, rt: Runtime, wandb_run: WandbRun) -> None:
         if recorded and rt.is_main:
             log_progress()
 
-    wandb_run.summary({"extract/fast_kernels": int(kernels.fast)})
+    wandb_run.summary({"extract/fast_kernels": int(kernels.fast), "extract/compiled": int(compiled)})
     try:
         inputs = prefetch_inputs(fetch_rows, mine, cfg.extract.max_length, pin=rt.device.type == "cuda")
         stats = run_extraction(capture, writer, inputs, on_batch)

@@ -1,7 +1,10 @@
 """Capture the target's hidden states at `layer_ids` with forward hooks (never
 `output_hidden_states`, which keeps every layer and swaps the last one for the post-norm state).
 
-One call = one right-padded batch. The hooks write each captured layer straight into one
+One call = one right-padded batch, run without an attention mask: everything in the target is
+causal (attention, conv, recurrence), so the pads after a sample cannot reach its tokens, and
+the full-attention layers take SDPA's causal flash kernel instead of a masked one (the pads'
+own states are computed and dropped). The hooks write each captured layer straight into one
 [B, S, n_layers, H] device buffer in the store dtype; the rows are checked on the device
 (finite, not all zero) and the buffer goes to the host in one copy. On a GPU nothing in a call
 waits for the GPU: inputs come from pinned memory, the device-to-host copy runs on a side stream
@@ -30,7 +33,8 @@ class PaddedBatch:
     """Right-padded inputs of one batch, on the host (pinned when headed for a GPU).
 
     input_ids_BS: [B, S] int64, 0 past each length; loss_mask_BS: [B, S] uint8;
-    attention_mask_BS: [B, S] int64, 1 on real tokens (None when no row is padded);
+    attention_mask_BS: [B, S] int64, 1 on real tokens (None when no row is padded): which rows
+    the bad-row check looks at (the forward itself runs unmasked);
     lengths: [B] real lengths; sample_ids: [B].
     """
 
@@ -142,25 +146,25 @@ class HiddenStateCapture:
         self._buffer = torch.empty(batch_size, seq, len(self.layer_ids), hidden_size,
                                    dtype=self.capture_dtype, device=self.device)
         input_ids = batch.input_ids_BS.to(self.device, non_blocking=True)
-        attention_mask = (batch.attention_mask_BS.to(self.device, non_blocking=True)
-                          if batch.attention_mask_BS is not None else None)
-        self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        real_BS = (batch.attention_mask_BS.to(self.device, non_blocking=True).bool()
+                   if batch.attention_mask_BS is not None else None)
+        self.model(input_ids=input_ids, use_cache=False)  # right pads need no mask (see above)
         hidden_BSLH, self._buffer = self._buffer, None
-        num_bad = self._count_bad_rows(hidden_BSLH, batch.lengths)
+        num_bad = self._count_bad_rows(hidden_BSLH, real_BS)
         scales_BSL = None
         if self.fp8:
             hidden_BSLH, scales_BSL = quantize_fp8(hidden_BSLH)
         return self._to_host(batch, hidden_BSLH, scales_BSL, num_bad)
 
-    def _count_bad_rows(self, hidden_BSLH: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-        """Real-token rows that are non-finite or all zero: [1] int64 on the device, no sync.
-        Peers' worst bugs were silently zero or NaN states that trained to good-looking
-        validation metrics."""
-        seq = hidden_BSLH.shape[1]
-        real_BS = (torch.arange(seq, device=hidden_BSLH.device)[None, :]
-                   < torch.tensor(lengths, device=hidden_BSLH.device)[:, None])
+    @staticmethod
+    def _count_bad_rows(hidden_BSLH: torch.Tensor, real_BS: torch.Tensor | None) -> torch.Tensor:
+        """Real-token rows (`real_BS`, None: all) that are non-finite or all zero: [1] int64 on
+        the device, computed without waiting for the GPU. Peers' worst bugs were silently zero
+        or NaN states that trained to good-looking validation metrics."""
         bad_BSL = ~torch.isfinite(hidden_BSLH).all(-1) | (hidden_BSLH == 0).all(-1)
-        return (bad_BSL & real_BS[:, :, None]).sum().reshape(1)
+        if real_BS is not None:
+            bad_BSL &= real_BS[:, :, None]
+        return bad_BSL.sum().reshape(1)
 
     def _to_host(self, batch, hidden_BSLH, scales_BSL, num_bad) -> CapturedBatch:
         common = dict(input_ids_BS=batch.input_ids_BS, loss_mask_BS=batch.loss_mask_BS,

@@ -7,6 +7,10 @@ its Python loop over chunks) and `causal_conv1d` (Triton; it honours `cu_seqlens
 torch conv fallback cannot, and fuses the SiLU). transformers itself would take the conv from
 the `causal-conv1d` package, which needs a CUDA build. On CPU nothing is bound (fla's Triton
 kernels do not run there) and the torch reference runs, which is correct but slow.
+
+Every kernel bound here is opaque to torch.compile (`opaque_kernel`): the compiled decoder
+layers (`dflash.target.compile`) call it as it is, and one wrapper per function keeps its
+identity stable, so rebinding the same kernel never recompiles.
 """
 
 from __future__ import annotations
@@ -19,7 +23,12 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_REFERENCE: dict = {}  # transformers' own functions, kept by bind_fast_kernels
+KERNEL_NAMES = ("torch_chunk_gated_delta_rule", "causal_conv1d_fn")
+"""transformers' module globals that hold the Gated-DeltaNet kernels."""
+
+_REFERENCE: dict = {}  # transformers' own functions, kept at the first binding
+_OPAQUE: dict = {}  # function -> its torch.compile-opaque wrapper
+_FLA: dict = {}  # name -> the fla-backed function, built once
 
 
 @dataclass(frozen=True)
@@ -68,10 +77,12 @@ def bind_fast_kernels(device: torch.device) -> KernelStatus:
         log.warning("fla-core is not importable (%s): the Gated-DeltaNet layers run on transformers' "
                     "torch reference, about 10x slower. Install it: pip install 'dflash[gpu]'", exc)
         return KernelStatus("torch", "torch")
-    _REFERENCE.setdefault("torch_chunk_gated_delta_rule", modeling.torch_chunk_gated_delta_rule)
-    _REFERENCE.setdefault("causal_conv1d_fn", modeling.causal_conv1d_fn)
-    modeling.torch_chunk_gated_delta_rule = _fla_chunk_rule(chunk_gated_delta_rule)
-    modeling.causal_conv1d_fn = _fla_conv(causal_conv1d)
+    _keep_reference(modeling)
+    if not _FLA:
+        _FLA.update(torch_chunk_gated_delta_rule=_fla_chunk_rule(chunk_gated_delta_rule),
+                    causal_conv1d_fn=_fla_conv(causal_conv1d))
+    for name, function in _FLA.items():
+        setattr(modeling, name, opaque_kernel(function))
     log.info("Gated-DeltaNet kernels: fla-core chunk_gated_delta_rule and Triton causal_conv1d")
     return KernelStatus("fla", "fla")
 
@@ -82,8 +93,9 @@ def bind_transformers_kernels() -> None:
     predecessor's scripts ran (the benchmark's baseline)."""
     from transformers.models.qwen3_5 import modeling_qwen3_5 as modeling
 
+    _keep_reference(modeling)
     for name, function in _REFERENCE.items():
-        setattr(modeling, name, function)
+        setattr(modeling, name, opaque_kernel(function))
 
 
 def bind_reference_kernels() -> None:
@@ -91,8 +103,32 @@ def bind_reference_kernels() -> None:
     tests compare the fast path against them). `bind_fast_kernels` binds fla again."""
     from transformers.models.qwen3_5 import modeling_qwen3_5 as modeling
 
-    for name in ("torch_chunk_gated_delta_rule", "causal_conv1d_fn"):
-        original = _REFERENCE.get(name, getattr(modeling, name))
-        _REFERENCE.setdefault(name, original)
+    _keep_reference(modeling)
+    for name in KERNEL_NAMES:
         # transformers' decorator may have bound fla already; its wrapper keeps the torch function
-        setattr(modeling, name, inspect.unwrap(original))
+        setattr(modeling, name, opaque_kernel(inspect.unwrap(_REFERENCE[name])))
+
+
+def bind_opaque_kernels() -> None:
+    """Make whatever kernels are bound now opaque to torch.compile (the CPU path binds none of
+    its own: transformers' torch reference, whose Python loop over chunks must not be traced)."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as modeling
+
+    _keep_reference(modeling)
+    for name in KERNEL_NAMES:
+        setattr(modeling, name, opaque_kernel(getattr(modeling, name)))
+
+
+def opaque_kernel(function):
+    """`function` behind `torch.compiler.disable`: compiled code calls it instead of tracing
+    it. The same wrapper for the same function every time. Idempotent."""
+    if function in _OPAQUE.values():
+        return function
+    if function not in _OPAQUE:
+        _OPAQUE[function] = torch.compiler.disable(function)
+    return _OPAQUE[function]
+
+
+def _keep_reference(modeling) -> None:
+    for name in KERNEL_NAMES:
+        _REFERENCE.setdefault(name, getattr(modeling, name))
