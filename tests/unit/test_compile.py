@@ -1,7 +1,6 @@
 """Regional torch.compile of the target's decoder layers: the same states as eager, hooks still
 fire, every layer and batch shape shares the compiled code, and `restore_eager` undoes it."""
 
-import pytest
 import torch
 
 from dflash.target.capture import HiddenStateCapture, pad_right
