@@ -39,6 +39,11 @@ class RankProgress:
     compute_wait_s: float = 0.0
     """Seconds compute blocked on the writer queue (disk slower than compute)."""
     elapsed_s: float = 0.0
+    warmup_s: float = 0.0
+    """Elapsed seconds when the first batch was handed over: it carries the one-off costs
+    (torch.compile, Triton's first compilations); rates after it are the steady state."""
+    warmup_tokens: int = 0
+    """Real tokens of that first batch."""
     finished: bool = False
 
 
@@ -60,12 +65,14 @@ class ProgressMeter:
                queue_depth: int, compute_wait_s: float) -> bool:
         """Count one batch; returns True when a progress record was written."""
         p = self.progress
+        now = time.monotonic()
+        if p.samples_done == 0:
+            p.warmup_s, p.warmup_tokens = now - self._start, tokens
         p.samples_done += samples
         p.tokens_done += tokens
         p.padded_tokens_done += padded_tokens
         p.bytes_written, p.writer_queue_depth, p.compute_wait_s = bytes_written, queue_depth, compute_wait_s
         self.bar.update(tokens)
-        now = time.monotonic()
         if now - self._last_write < self.interval_s:
             return False
         self._write(now)
@@ -101,6 +108,12 @@ def _rate(count: float, record: dict[str, Any]) -> float:
     return count / record["elapsed_s"] if record["elapsed_s"] > 0 else 0.0
 
 
+def steady_tokens_per_s(record: dict[str, Any]) -> float:
+    """A rank's real tokens/s after its first batch (see `RankProgress.warmup_s`)."""
+    seconds = record["elapsed_s"] - record.get("warmup_s", 0.0)
+    return (record["tokens_done"] - record.get("warmup_tokens", 0)) / seconds if seconds > 0 else 0.0
+
+
 def summarize(records: list[dict[str, Any]], world_size: int) -> dict[str, float]:
     """W&B metrics from the ranks' progress records: totals, per-rank rates, padding, ETA."""
     metrics: dict[str, float] = {}
@@ -114,6 +127,7 @@ def summarize(records: list[dict[str, Any]], world_size: int) -> dict[str, float
         prefix = f"extract/rank{r['rank']}"
         metrics[f"{prefix}/throughput(samples/s)"] = _rate(r["samples_done"], r)
         metrics[f"{prefix}/throughput(tokens/s)"] = _rate(r["tokens_done"], r)
+        metrics[f"{prefix}/steady_throughput(tokens/s)"] = steady_tokens_per_s(r)
         metrics[f"{prefix}/writer_queue_depth(batches)"] = r["writer_queue_depth"]
         metrics[f"{prefix}/writer_wait(s)"] = r["compute_wait_s"]
     tokens_per_s = sum(_rate(r["tokens_done"], r) for r in records)
@@ -122,6 +136,7 @@ def summarize(records: list[dict[str, Any]], world_size: int) -> dict[str, float
         "extract/tokens_done": tokens,
         "extract/throughput(samples/s)": sum(_rate(r["samples_done"], r) for r in records),
         "extract/throughput(tokens/s)": tokens_per_s,
+        "extract/steady_throughput(tokens/s)": sum(steady_tokens_per_s(r) for r in records),
         "extract/padding(fraction)": 1 - tokens / padded if padded else 0.0,
         "extract/write(bytes/s)": sum(_rate(r["bytes_written"], r) for r in records),
         "extract/writer_queue_depth(batches)": sum(r["writer_queue_depth"] for r in records),

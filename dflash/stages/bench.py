@@ -21,6 +21,9 @@ and logs to W&B; every rank logs its own table.
 
 MFU = 2 x (parameters of decoder layers 0..max(layer_ids)) x real tokens/s over the rate of a
 bf16 matrix product measured in the same run (float32 on a CPU); padded tokens do not count.
+`MFU w/o drain` leaves out the `drain s` after the last batch was handed over, while the writer
+finishes the last shards: a one-off cost per run that a benchmark of a few batches magnifies
+(a 1 GB shard takes ~2 s; a real run is hours long).
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from dflash.store import StateReader
 from dflash.store.consolidate import consolidate
 from dflash.store.layers import check_layer_ids, zlab_target_layer_ids
 from dflash.store.manifest import new_manifest, write_manifest
-from dflash.store.writer import ShardWriter
+from dflash.store.writer import ShardWriter, WriterStats
 from dflash.target.capture import HiddenStateCapture, pad_right
 from dflash.target.compile import compile_decoder_layers, restore_eager, should_compile
 from dflash.target.extraction import prefetch_inputs, run_extraction
@@ -66,12 +69,16 @@ class VariantResult:
     bytes_written: int
     peak_memory_gib: float
     gpu_busy: float  # mean NVML utilization over the run, 0..1 (nan without NVML)
-    writer_wait_s: float  # seconds compute blocked on a full writer queue (disk the bottleneck)
+    writer_wait_s: float  # seconds compute blocked on the writer (full queue or no free host buffer)
+    drain_s: float  # seconds from the last batch's hand-over until every shard was written
 
     def row(self, flops_per_token: float, matmul_flops: float, baseline: "VariantResult | None") -> dict:
         tokens_per_s = self.real_tokens / self.seconds
+        steady_tokens_per_s = self.real_tokens / (self.seconds - self.drain_s)
         return {"variant": self.name, "tokens/s": tokens_per_s, "samples/s": self.samples / self.seconds,
-                "MFU": tokens_per_s * flops_per_token / matmul_flops, "GPU busy": self.gpu_busy,
+                "MFU": tokens_per_s * flops_per_token / matmul_flops,
+                "MFU w/o drain": steady_tokens_per_s * flops_per_token / matmul_flops, "drain s": self.drain_s,
+                "GPU busy": self.gpu_busy,
                 "write MB/s": self.bytes_written / self.seconds / 1e6,
                 "bytes/token": self.bytes_written / self.real_tokens if self.bytes_written else 0.0,
                 "peak GiB": self.peak_memory_gib, "padding": 1 - self.real_tokens / self.padded_tokens,
@@ -262,7 +269,7 @@ def measure(name: str, work, device: torch.device) -> VariantResult:
         seconds = time.perf_counter() - start
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
     return VariantResult(name, seconds, counts["real"], counts["padded"], counts["samples"], counts["bytes"],
-                         peak, util.mean, counts.get("writer_wait_s", 0.0))
+                         peak, util.mean, counts.get("writer_wait_s", 0.0), counts.get("drain_s", 0.0))
 
 
 @torch.inference_mode()
@@ -324,7 +331,7 @@ class DiscardWriter:
         self._queue: "queue.Queue" = queue.Queue(maxsize=4)
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
-        self.stats = type("Stats", (), {"num_bytes": 0, "compute_wait_s": 0.0})()
+        self.stats = WriterStats()
 
     def _run(self):
         while (batch := self._queue.get()) is not None:
@@ -347,31 +354,37 @@ def dflash_path(cfg, base, layer_ids, store_dtype, fetch_rows, plan, device, sta
                 discard: bool = False) -> dict:
     """stage=extract's loop on `plan`, writing real shards to `states_dir` (or dropping them)."""
     states_dir.mkdir(parents=True, exist_ok=True)
-    capture = HiddenStateCapture(base, layer_ids, store_dtype, cfg.extract.writer_queue_batches + 2)
+    capture = HiddenStateCapture(base, layer_ids, store_dtype, cfg.extract.writer_queue_batches + 2,
+                                 max_batch_tokens=max(batch.num_padded_tokens for batch in plan))
     if discard:
         counts = {"real": 0, "padded": 0, "samples": 0}
         inputs = prefetch_inputs(fetch_rows, plan, cfg.extract.max_length, pin=device.type == "cuda")
         try:
-            run_extraction(capture, DiscardWriter(), inputs, lambda p: _count(counts, p))
+            _, times = run_extraction(capture, DiscardWriter(), inputs, lambda p: _count(counts, p))
         finally:
             capture.remove()
-        return {**counts, "bytes": 0}
+        log.info("%s loop: %s", states_dir.name, times.summary())
+        return {**counts, "bytes": 0, "writer_wait_s": times.put_wait_s + times.buffer_wait_s,
+                "drain_s": times.close_s}
     writer = ShardWriter(states_dir, "bench", 0, cfg.extract.shard_max_bytes, cfg.extract.writer_queue_batches,
                          cfg.extract.writer_threads)
     counts = {"real": 0, "padded": 0, "samples": 0}
     try:
-        stats = run_extraction(capture, writer, prefetch_inputs(fetch_rows, plan, cfg.extract.max_length,
-                                                                pin=device.type == "cuda"),
-                               lambda padded: _count(counts, padded))
+        stats, times = run_extraction(capture, writer, prefetch_inputs(fetch_rows, plan, cfg.extract.max_length,
+                                                                       pin=device.type == "cuda"),
+                                      lambda padded: _count(counts, padded))
     finally:
         capture.remove()
+    log.info("%s loop: %s; writer: %d shards, %.1fs writing, %.1fs waiting for a flush thread", states_dir.name,
+             times.summary(), stats.num_shards, stats.write_s, stats.flush_wait_s)
     info = {"path": "bench", "num_hidden_layers": 0, "hidden_size": base.config.hidden_size,
             "vocab_size": base.config.vocab_size, "config_sha256": ""}
     manifest = new_manifest(info, layer_ids, str(store_dtype).removeprefix("torch."), "bench", {})
     consolidate(states_dir, manifest, verify_new=False)
     manifest["complete"] = True
     write_manifest(states_dir, manifest)
-    return {**counts, "bytes": stats.num_bytes, "writer_wait_s": stats.compute_wait_s}
+    return {**counts, "bytes": stats.num_bytes, "writer_wait_s": times.put_wait_s + times.buffer_wait_s,
+            "drain_s": times.close_s}
 
 
 def _count(counts: dict, padded) -> None:
@@ -393,7 +406,8 @@ def fp8_round_trip_error(out_root: Path) -> float:
 
 def format_table(rows: list[dict]) -> str:
     keys = list(rows[0])
-    fmt = {"tokens/s": "{:,.0f}", "samples/s": "{:.2f}", "MFU": "{:.1%}", "GPU busy": "{:.0%}",
+    fmt = {"tokens/s": "{:,.0f}", "samples/s": "{:.2f}", "MFU": "{:.1%}", "MFU w/o drain": "{:.1%}",
+           "drain s": "{:.1f}", "GPU busy": "{:.0%}",
            "write MB/s": "{:.0f}", "bytes/token": "{:,.0f}", "peak GiB": "{:.1f}", "padding": "{:.1%}",
            "writer wait": "{:.0%}",
            "x baseline": "{:.2f}"}

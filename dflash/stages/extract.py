@@ -40,7 +40,7 @@ from dflash.target.extraction import RowFetcher, prefetch_inputs, run_extraction
 from dflash.target.compile import compile_decoder_layers, should_compile
 from dflash.target.kernels import bind_fast_kernels
 from dflash.target.load import base_model_of, ensure_target, target_info_of
-from dflash.telemetry import (ProgressMeter, RankProgress, WandbRun, nvml_metrics, read_progress,
+from dflash.telemetry import (ProgressMeter, RankProgress, WandbRun, nvml_metrics, read_progress, steady_tokens_per_s,
                               summarize)
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,8 @@ def run(cfg: Config, rt: Runtime, wandb_run: WandbRun) -> None:
     compiled = should_compile(cfg.extract.compile, rt.device)
     if compiled:
         compile_decoder_layers(model.layers)
-    capture = HiddenStateCapture(model, layer_ids, store_dtype, cfg.extract.writer_queue_batches + 2)
+    capture = HiddenStateCapture(model, layer_ids, store_dtype, cfg.extract.writer_queue_batches + 2,
+                                 max_batch_tokens=max((b.num_padded_tokens for b in mine), default=0))
     writer = ShardWriter(states_dir, rt.launch_id, rt.rank, cfg.extract.shard_max_bytes,
                          cfg.extract.writer_queue_batches, cfg.extract.writer_threads)
     progress_dir = rt.run_dir / "progress"
@@ -107,20 +108,23 @@ def run(cfg: Config, rt: Runtime, wandb_run: WandbRun) -> None:
 
     def on_batch(padded) -> None:
         recorded = meter.update(len(padded.sample_ids), padded.num_real_tokens, padded.num_padded_tokens,
-                                writer.stats.num_bytes, writer.queue_depth, writer.stats.compute_wait_s)
+                                writer.stats.num_bytes, writer.queue_depth,
+                                writer.stats.compute_wait_s + capture.buffer_wait_s)
         if recorded and rt.is_main:
             log_progress()
 
     wandb_run.summary({"extract/fast_kernels": int(kernels.fast), "extract/compiled": int(compiled)})
     try:
         inputs = prefetch_inputs(fetch_rows, mine, cfg.extract.max_length, pin=rt.device.type == "cuda")
-        stats = run_extraction(capture, writer, inputs, on_batch)
+        stats, times = run_extraction(capture, writer, inputs, on_batch)
     finally:
         capture.remove()
-    meter.close(stats.num_bytes, stats.compute_wait_s)
-    log.info("rank %d stored %d samples, %d tokens, %.1f MB in %d shards; compute waited %.1fs "
-             "on the writer", rt.rank, stats.num_samples, stats.num_tokens, stats.num_bytes / 1e6,
-             stats.num_shards, stats.compute_wait_s)
+    writer_wait_s = times.put_wait_s + times.buffer_wait_s
+    meter.close(stats.num_bytes, writer_wait_s)
+    log.info("rank %d stored %d samples, %d tokens, %.1f MB in %d shards; compute waited %.1fs on the writer; "
+             "loop: %s; writer: %.1fs writing, %.1fs waiting for a flush thread", rt.rank, stats.num_samples,
+             stats.num_tokens, stats.num_bytes / 1e6, stats.num_shards, writer_wait_s, times.summary(),
+             stats.write_s, stats.flush_wait_s)
 
     # -- finalize: file barrier, totals check, manifest complete ----------------------
     if not rt.is_main:
@@ -133,8 +137,11 @@ def run(cfg: Config, rt: Runtime, wandb_run: WandbRun) -> None:
     records = read_progress(progress_dir, rt.launch_id, rt.world_size)
     elapsed = max((r["elapsed_s"] for r in records), default=0.0)
     aggregate = sum(r["tokens_done"] for r in records) / elapsed if elapsed else 0.0
-    log.info("extraction throughput: %.0f tokens/s over %d ranks (per rank: %s)", aggregate, rt.world_size,
-             ", ".join(f"{r['tokens_done'] / r['elapsed_s']:.0f}" for r in records if r["elapsed_s"]))
+    steady = [steady_tokens_per_s(r) for r in records]
+    log.info("extraction throughput: %.0f tokens/s over %d ranks (per rank: %s); steady state after each "
+             "rank's first batch (compilation): %.0f tokens/s (per rank: %s)", aggregate, rt.world_size,
+             ", ".join(f"{r['tokens_done'] / r['elapsed_s']:.0f}" for r in records if r["elapsed_s"]),
+             sum(steady), ", ".join(f"{rate:.0f}" for rate in steady))
     where = consolidate(states_dir, manifest, verify_new=False)
     check_totals(where, ids, lengths, manifest)
     manifest["extraction"].update(num_skipped_overlong=num_skipped, num_truncated=num_truncated)
@@ -143,6 +150,7 @@ def run(cfg: Config, rt: Runtime, wandb_run: WandbRun) -> None:
     rt.mark("complete")
     wandb_run.summary({"extract/barrier_wait(s)": barrier_wait_s, "extract/complete": 1,
                        "extract/aggregate_throughput(tokens/s)": aggregate,
+                       "extract/aggregate_steady_throughput(tokens/s)": sum(steady),
                        "extract/num_samples": manifest["num_samples"],
                        "extract/num_tokens": manifest["num_tokens"],
                        "extract/num_skipped_overlong": num_skipped,

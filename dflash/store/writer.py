@@ -90,7 +90,9 @@ class WriterStats:
     compute_wait_s: float = 0.0
     """Seconds `put` blocked on a full queue: the disk is the bottleneck."""
     write_s: float = 0.0
-    """Seconds spent serialising and writing shards."""
+    """Seconds spent serialising and writing shards (summed over the flush threads)."""
+    flush_wait_s: float = 0.0
+    """Seconds the packing thread waited for a free flush thread (the disk the bottleneck)."""
     shards: list[str] = field(default_factory=list)
 
 
@@ -198,7 +200,9 @@ class ShardWriter:
         samples, self._pending, self._pending_bytes = self._pending, [], 0
         rel = shard_name(self.launch_id, self.rank, self._num_flushed)
         self._num_flushed += 1
+        start = time.monotonic()
         self._slots.acquire()
+        self.stats.flush_wait_s += time.monotonic() - start
         future = self._flushers.submit(self._write_shard, samples, rel)
         future.add_done_callback(lambda _: self._slots.release())
         self._futures.append(future)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
+from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
 from dflash.data.batching import Batch
@@ -61,15 +63,54 @@ def prefetch_inputs(fetch_rows: RowFetcher, batches: Iterable[Batch], max_length
                 thread.join(timeout=0.1)
 
 
+@dataclass
+class LoopTimes:
+    """Where the compute thread's time went, in seconds. On a GPU `launch_s` is the host time
+    to enqueue the forwards and copies; when the GPU is not kept busy, the other fields say
+    what the thread waited for."""
+
+    input_wait_s: float = 0.0
+    """Waiting for the prefetch thread's next batch."""
+    launch_s: float = 0.0
+    """Inside the capture call, less `buffer_wait_s`."""
+    buffer_wait_s: float = 0.0
+    """Blocked on a free pinned host buffer: the writer still held them all."""
+    put_wait_s: float = 0.0
+    """Blocked on the writer's full queue."""
+    close_s: float = 0.0
+    """Waiting for the writer to finish after the last batch."""
+
+    def summary(self) -> str:
+        return ", ".join(f"{name.removesuffix('_s')} {value:.1f}s" for name, value in vars(self).items())
+
+
 def run_extraction(capture: HiddenStateCapture, writer: ShardWriter, inputs: Iterable[PaddedBatch],
-                   on_batch: Callable[[PaddedBatch], None] = lambda batch: None) -> WriterStats:
+                   on_batch: Callable[[PaddedBatch], None] = lambda batch: None) -> tuple[WriterStats, LoopTimes]:
     """Capture every batch of `inputs` and hand it to `writer`; returns the writer's totals once
-    every shard is written. On any error the writer drops what it has not written."""
+    every shard is written, and the loop's times. On any error the writer drops what it has not
+    written."""
+    times = LoopTimes()
+    buffer_wait_before = capture.buffer_wait_s
     try:
-        for padded in inputs:
-            writer.put(capture(padded))
+        inputs = iter(inputs)
+        while True:
+            start = time.monotonic()
+            padded = next(inputs, None)
+            launched = time.monotonic()
+            times.input_wait_s += launched - start
+            if padded is None:
+                break
+            captured = capture(padded)
+            times.launch_s += time.monotonic() - launched
+            writer.put(captured)
             on_batch(padded)
-        return writer.close()
+        start = time.monotonic()
+        stats = writer.close()
+        times.close_s = time.monotonic() - start
     except BaseException:
         writer.abort()
         raise
+    times.buffer_wait_s = capture.buffer_wait_s - buffer_wait_before
+    times.launch_s -= times.buffer_wait_s
+    times.put_wait_s = stats.compute_wait_s
+    return stats, times

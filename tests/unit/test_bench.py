@@ -8,7 +8,7 @@ from dflash.config import BENCH_VARIANTS
 from dflash.main import run_stages
 from dflash.stages.bench import format_table
 
-KEYS = {"variant", "tokens/s", "samples/s", "MFU", "GPU busy", "write MB/s", "bytes/token", "peak GiB",
+KEYS = {"variant", "tokens/s", "samples/s", "MFU", "MFU w/o drain", "drain s", "GPU busy", "write MB/s", "bytes/token", "peak GiB",
         "padding", "writer wait", "x baseline"}
 
 
