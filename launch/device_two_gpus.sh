@@ -1,5 +1,6 @@
 #!/bin/bash
-# The 2xH200 run of docs/benchmarks.md (device tool, kind nvidia-h200-x2): stage=bench on GPU 0,
+# The 2xH200 run of docs/benchmarks.md (device tool, kind nvidia-h200-x2; extra overrides apply to
+# every run): stage=bench on GPU 0,
 # then stage=extract on the Qwen3.6-27B shape (random weights, random-token ShareGPT-like data)
 # with 1 process on GPU 0 and with 2 processes, each timed by the stage itself. A short extract run
 # first fills the Triton and Inductor caches, so that neither timed run pays for compilation
@@ -9,7 +10,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 WANDB_MODE=offline
 nvidia-smi --query-gpu=index,name,memory.total --format=csv
 COMMON=(model=qwen3_6_27b model.init=random 'extract.layer_ids=[1,16,31,46,61]' extract.token_budget=12000
-        data=random_tokens data.num_samples=${NUM_SAMPLES:-900} output_root=/tmp/out)
+        data=random_tokens data.num_samples=${NUM_SAMPLES:-900} output_root=/tmp/out "$@")
 if [ "${BENCH:-1}" = 1 ]; then
   CUDA_VISIBLE_DEVICES=0 python3 dflash/main.py stage=bench bench=h200 "${COMMON[@]}" run_name=bench \
     wandb.mode=disabled 2>&1 | grep -v "Loading weights\|falling back" | tee $OUT/bench.log | grep -A9 "bench results"
