@@ -53,11 +53,13 @@ def test_wandb_offline_run_records_throughput(two_rank_run):
     for key in ("extract/throughput(samples/s)", "extract/throughput(tokens/s)",
                 "extract/rank0/throughput(tokens/s)", "extract/rank1/throughput(tokens/s)",
                 "extract/padding(fraction)", "extract/write(bytes/s)",
-                "extract/writer_queue_depth(batches)", "extract/eta(s)", "extract/tokens_done"):
+                "extract/writer_queue_depth(batches)", "extract/eta(s)", "extract/tokens_done",
+                "extract/steady_throughput(tokens/s)", "extract/rank1/steady_throughput(tokens/s)"):
         assert key in logged, key
     final = max((row for row in rows if "extract/samples_done" in row), key=lambda row: row["extract/samples_done"])
     assert final["extract/samples_done"] == 48 and final["extract/throughput(tokens/s)"] > 0
     assert summary["extract/complete"] == 1 and "extract/barrier_wait(s)" in summary
+    assert summary["extract/aggregate_steady_throughput(tokens/s)"] >= 0
 
 
 def test_kill_9_then_resume_with_another_world_size(two_rank_run, prepared_root):

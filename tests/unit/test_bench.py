@@ -25,6 +25,7 @@ def test_bench_smoke_reports_every_variant(prepared_root):
     assert rows["padded"]["bytes/token"] >= 5 * 128 * 2  # 5 layers x hidden 128 x bf16
     assert 0 < report["fp8_relative_error"] < 0.05
     assert report["layer_ids"] == [1, 3, 5, 7, 9] and report["flops_per_token"] > 0
+    assert report["first_pass_s"] > 0 and report["compiled"] is False  # CPU: eager unless forced
     assert not (Path(cfg.run_dir) / "bench" / "rank0").exists()  # the written states are removed
     table = format_table(report["rows"])
     assert table.count("\n") == len(BENCH_VARIANTS) + 1 and "padded_fp8" in table
