@@ -138,10 +138,12 @@ def run(cfg: Config, rt: Runtime, wandb_run: WandbRun) -> None:
     elapsed = max((r["elapsed_s"] for r in records), default=0.0)
     aggregate = sum(r["tokens_done"] for r in records) / elapsed if elapsed else 0.0
     steady = [steady_tokens_per_s(r) for r in records]
+    steady_per_rank = [f"{rate:.0f}" if r["tokens_done"] > r.get("warmup_tokens", 0) else "n/a: one batch"
+                       for rate, r in zip(steady, records)]
     log.info("extraction throughput: %.0f tokens/s over %d ranks (per rank: %s); steady state after each "
              "rank's first batch (compilation): %.0f tokens/s (per rank: %s)", aggregate, rt.world_size,
              ", ".join(f"{r['tokens_done'] / r['elapsed_s']:.0f}" for r in records if r["elapsed_s"]),
-             sum(steady), ", ".join(f"{rate:.0f}" for rate in steady))
+             sum(steady), ", ".join(steady_per_rank))
     where = consolidate(states_dir, manifest, verify_new=False)
     check_totals(where, ids, lengths, manifest)
     manifest["extraction"].update(num_skipped_overlong=num_skipped, num_truncated=num_truncated)
