@@ -310,6 +310,10 @@ class BenchConfig:
     num_batches: int = 0
     """Batches of that plan that each variant runs, evenly spaced from the longest to the
     shortest (token ids are drawn for these only); 0: all of them."""
+    new_shape_batches: int = 0
+    """Batches of batch sizes none of the timed batches has, run one at a time after the
+    variants (with `forward_only` among them): the extra seconds a batch shape met for the first
+    time costs (compilation, autotuning), which stage=extract pays once per shape and machine."""
     length_mean: float = 335.0
     """Mean sample length in tokens (log-normal; ShareGPT-like)."""
     length_sigma: float = 1.0
@@ -335,6 +339,7 @@ class BenchConfig:
         for key in ("num_samples", "min_length", "max_length", "matmul_size"):
             _require(getattr(self, key) > 0, f"bench.{key}", f"must be > 0, got {getattr(self, key)}")
         _require(self.num_batches >= 0, "bench.num_batches", f"must be >= 0, got {self.num_batches}")
+        _require(self.new_shape_batches >= 0, "bench.new_shape_batches", f"must be >= 0, got {self.new_shape_batches}")
         _require(self.min_length <= self.max_length, "bench.min_length", "must be <= bench.max_length")
         bad = [v for v in self.variants if v not in BENCH_VARIANTS]
         _require(not bad and bool(self.variants), "bench.variants", f"unknown variants {bad}")

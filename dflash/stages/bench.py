@@ -17,7 +17,9 @@ right-padded batches, compiled decoder layers per `extract.compile`, side-stream
 pinned buffers, the shard writer writing to `${run_dir}/bench/`). `padded_eager` = the same
 without torch.compile. `padded_nowrite` = the same minus the disk (batches copied, checked,
 dropped). `padded_fp8` = the same storing float8_e4m3fn. Rank 0 writes `${run_dir}/bench.json`
-and logs to W&B; every rank logs its own table.
+and logs to W&B; every rank logs its own table. With `bench.new_shape_batches`, batches of batch
+sizes not met before then run one at a time: the extra seconds of a shape met for the first time
+(`new_shape_extra_s`), which the untimed pass hides from the table and stage=extract pays.
 
 MFU = 2 x (parameters of decoder layers 0..max(layer_ids)) x real tokens/s over the rate of a
 bf16 matrix product measured in the same run (float32 on a CPU); padded tokens do not count.
@@ -105,8 +107,10 @@ def run(cfg: Config, rt: Runtime, wandb_run: WandbRun) -> None:
                                             b.num_samples)), b.min_length, b.max_length).astype(np.int64)
     plan = plan_batches(np.arange(len(lengths)), lengths, cfg.extract.token_budget, cfg.extract.max_batch_size)
     batches = timed_batches(plan, b.num_batches)
+    fresh = new_shape_batches(plan, batches, b.new_shape_batches)
     vocab = lm.config.vocab_size
-    tokens = {s: rng.integers(0, vocab, size=int(lengths[s])).tolist() for batch in batches for s in batch.sample_ids}
+    tokens = {s: rng.integers(0, vocab, size=int(lengths[s])).tolist()
+              for batch in batches + fresh for s in batch.sample_ids}
     num_tokens = sum(batch.num_real_tokens for batch in batches)
     log.info("bench: %d samples (mean %.0f tokens, max %d) planned into %d batches under a %d-token budget "
              "(padding %.1f%%); %d of them run, %d samples, %d tokens; layers %s of %d; %.1f GFLOP/token; "
@@ -154,6 +158,15 @@ def run(cfg: Config, rt: Runtime, wandb_run: WandbRun) -> None:
         results.append(result)
         log.info("%s: %.1f s, %d tokens", name, result.seconds, result.real_tokens)
     bind_fast_kernels(device)
+    new_shape_s = None
+    ceiling = next((r for r in results if r.name == "forward_only"), None)
+    if fresh and ceiling is not None:
+        if compiled:
+            compile_decoder_layers(base.layers)
+        new_shape_s = new_shape_cost(lambda plan: forward_only(base, layer_ids, fetch_rows, plan, device), fresh,
+                                     ceiling.real_tokens / ceiling.seconds, device)
+        log.info("a batch of a batch size met for the first time: %.2f s more than at the warm rate (mean of %d)",
+                 new_shape_s, len(fresh))
     restore_eager(base.layers)
 
     base_result = next((r for r in results if r.name == "baseline"), None)
@@ -164,7 +177,7 @@ def run(cfg: Config, rt: Runtime, wandb_run: WandbRun) -> None:
               "num_samples": len(tokens), "num_tokens": num_tokens, "plan_num_samples": len(lengths),
               "plan_num_batches": len(plan), "plan_padding": padding_fraction(plan), "flops_per_token": flops_per_token,
               "matmul_flops": matmul_flops, "fast_kernels": kernels.fast, "compiled": compiled,
-              "first_pass_s": first_pass_s,
+              "first_pass_s": first_pass_s, "new_shape_extra_s": new_shape_s,
               "fp8_relative_error": fp8_error,
               "rows": rows}
     if rt.is_main:
@@ -183,6 +196,35 @@ def timed_batches(plan: list, num_batches: int) -> list:
     if not 0 < num_batches < len(plan):
         return list(plan)
     return [plan[i] for i in np.unique(np.linspace(0, len(plan) - 1, num_batches).round().astype(int))]
+
+
+def new_shape_batches(plan: list, timed: list, count: int) -> list:
+    """Up to `count` batches of `plan`, evenly spaced, each of a batch size (number of samples)
+    that no batch of `timed` has and no other chosen batch has."""
+    seen = {len(batch.sample_ids) for batch in timed}
+    candidates = []
+    for batch in plan:
+        if len(batch.sample_ids) not in seen:
+            seen.add(len(batch.sample_ids))
+            candidates.append(batch)
+    if count <= 0 or not candidates:
+        return []
+    picks = np.unique(np.linspace(0, len(candidates) - 1, min(count, len(candidates))).round().astype(int))
+    return [candidates[i] for i in picks]
+
+
+def new_shape_cost(run_forward, fresh: list, warm_tokens_per_s: float, device: torch.device) -> float:
+    """Mean seconds a batch of `fresh` (shapes not met before) takes beyond its real tokens at
+    `warm_tokens_per_s`: what compilation and autotuning for a new shape cost. stage=extract pays
+    it once per batch shape and machine (the kernel caches are on disk)."""
+    extra = []
+    for batch in fresh:
+        sync(device)
+        start = time.perf_counter()
+        run_forward([batch])
+        sync(device)
+        extra.append(time.perf_counter() - start - batch.num_real_tokens / warm_tokens_per_s)
+    return float(np.mean(extra))
 
 
 def padding_fraction(plan: list) -> float:
