@@ -16,4 +16,4 @@ fi
 CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} python3 dflash/main.py stage=bench bench=h200 model=qwen3_6_27b \
   model.init=random 'extract.layer_ids=[1,16,31,46,61]' extract.token_budget=12000 wandb.mode=disabled \
   output_root=/tmp/out run_name=bench "$@" 2>&1 | grep -v "Loading weights\|falling back" | tee $OUT/bench.log \
-  | grep "bench:\|untimed\|: [0-9.]* s,\|results\|^|\|round trip\|Error\|error"
+  | grep "bench:\|untimed\|: [0-9.]* s,\|results\|^|\|round trip\|first time\|loop:\|Error\|error"
