@@ -137,7 +137,8 @@ def run(cfg: Config, rt: Runtime, wandb_run: WandbRun) -> None:
     for name in b.variants:
         shutil.rmtree(out_root / name, ignore_errors=True)
         bind_fast_kernels(device)
-        if compiled and name not in ("baseline", "padded_eager"):
+        compile_variant = compiled and name not in ("baseline", "padded_eager")
+        if compile_variant:
             compile_decoder_layers(base.layers)
         else:
             restore_eager(base.layers)  # the layers are shared with `lm`
@@ -151,7 +152,7 @@ def run(cfg: Config, rt: Runtime, wandb_run: WandbRun) -> None:
             run_variant = lambda plan, dtype=dtype, name=name: dflash_path(  # noqa: E731
                 cfg, base, layer_ids, dtype, fetch_rows, plan, device, out_root / name,
                 discard=name == "padded_nowrite")
-        log.info("%s: %s decoder layers", name, "compiled" if "forward" in vars(base.layers[0]) else "eager")
+        log.info("%s: %s decoder layers", name, "compiled" if compile_variant else "eager")
         run_variant(warm)
         shutil.rmtree(out_root / name, ignore_errors=True)
         result = measure(name, lambda: run_variant(timed), device)
@@ -408,7 +409,7 @@ def dflash_path(cfg, base, layer_ids, store_dtype, fetch_rows, plan, device, sta
         finally:
             capture.remove()
         log.info("%s loop: %s", states_dir.name, times.summary())
-        return {**counts, "bytes": 0, "writer_wait_s": times.put_wait_s + times.buffer_wait_s,
+        return {**counts, "bytes": 0, "writer_wait_s": times.writer_wait_s,
                 "drain_s": times.close_s}
     writer = ShardWriter(states_dir, "bench", 0, cfg.extract.shard_max_bytes, cfg.extract.writer_queue_batches,
                          cfg.extract.writer_threads)
@@ -427,7 +428,7 @@ def dflash_path(cfg, base, layer_ids, store_dtype, fetch_rows, plan, device, sta
     consolidate(states_dir, manifest, verify_new=False)
     manifest["complete"] = True
     write_manifest(states_dir, manifest)
-    return {**counts, "bytes": stats.num_bytes, "writer_wait_s": times.put_wait_s + times.buffer_wait_s,
+    return {**counts, "bytes": stats.num_bytes, "writer_wait_s": times.writer_wait_s,
             "drain_s": times.close_s}
 
 

@@ -35,7 +35,7 @@ from dflash.store.consolidate import consolidate, stored_sample_ids
 from dflash.store.layers import check_layer_ids, zlab_target_layer_ids
 from dflash.store.manifest import check_compatible, new_manifest, read_manifest, write_manifest
 from dflash.store.writer import ShardWriter
-from dflash.target.capture import HiddenStateCapture
+from dflash.target.capture import HiddenStateCapture, stored_bytes_per_token
 from dflash.target.extraction import RowFetcher, prefetch_inputs, run_extraction
 from dflash.target.compile import compile_decoder_layers, should_compile
 from dflash.target.kernels import bind_fast_kernels
@@ -83,8 +83,7 @@ def run(cfg: Config, rt: Runtime, wandb_run: WandbRun) -> None:
              planned_tokens, num_skipped + num_truncated,
              "skipped" if cfg.extract.overlong == "skip" else "truncated")
     store_dtype = getattr(torch, cfg.extract.dtype)
-    bytes_per_token = len(layer_ids) * (manifest["target"]["hidden_size"] * torch.finfo(store_dtype).bits // 8
-                                        + (4 if store_dtype == torch.float8_e4m3fn else 0))
+    bytes_per_token = stored_bytes_per_token(len(layer_ids), manifest["target"]["hidden_size"], store_dtype)
     log.info("layer ids %s, %d bytes per token stored", layer_ids, bytes_per_token)
 
     # -- loop ------------------------------------------------------------------------------
@@ -119,7 +118,7 @@ def run(cfg: Config, rt: Runtime, wandb_run: WandbRun) -> None:
         stats, times = run_extraction(capture, writer, inputs, on_batch)
     finally:
         capture.remove()
-    writer_wait_s = times.put_wait_s + times.buffer_wait_s
+    writer_wait_s = times.writer_wait_s
     meter.close(stats.num_bytes, writer_wait_s)
     log.info("rank %d stored %d samples, %d tokens, %.1f MB in %d shards; compute waited %.1fs on the writer; "
              "loop: %s; writer: %.1fs writing, %.1fs waiting for a flush thread", rt.rank, stats.num_samples,

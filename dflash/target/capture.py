@@ -24,7 +24,8 @@ import torch
 
 from dflash.store.writer import BadHiddenStates, CapturedBatch
 
-__all__ = ["BadHiddenStates", "CapturedBatch", "HiddenStateCapture", "PaddedBatch", "pad_right", "quantize_fp8"]
+__all__ = ["BadHiddenStates", "CapturedBatch", "HiddenStateCapture", "PaddedBatch", "pad_right", "quantize_fp8",
+           "stored_bytes_per_token"]
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
@@ -134,8 +135,7 @@ class HiddenStateCapture:
                          for k, layer_id in enumerate(self.layer_ids)]
         on_gpu = self.device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(self.device) if on_gpu else None
-        bytes_per_token = len(self.layer_ids) * (model.config.hidden_size * store_dtype.itemsize
-                                                 + (4 if self.fp8 else 0))
+        bytes_per_token = stored_bytes_per_token(len(self.layer_ids), model.config.hidden_size, store_dtype)
         self._pool = PinnedBufferPool(num_host_buffers, max_batch_tokens * bytes_per_token + 64) if on_gpu else None
 
     def _hook(self, k: int):
@@ -209,6 +209,11 @@ class HiddenStateCapture:
             ready.record(self._copy_stream)
         return CapturedBatch(host_hidden, host_scales, num_bad_rows=host_bad, ready=ready,
                              release=lambda: self._pool.put(host), **common)
+
+
+def stored_bytes_per_token(num_layers: int, hidden_size: int, store_dtype: torch.dtype) -> int:
+    """Bytes one token's captured states take in `store_dtype` (fp8: plus a float32 scale per layer)."""
+    return num_layers * (hidden_size * store_dtype.itemsize + (4 if store_dtype == torch.float8_e4m3fn else 0))
 
 
 def quantize_fp8(hidden_BSLH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

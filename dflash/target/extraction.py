@@ -80,6 +80,11 @@ class LoopTimes:
     close_s: float = 0.0
     """Waiting for the writer to finish after the last batch."""
 
+    @property
+    def writer_wait_s(self) -> float:
+        """Compute blocked on the writer, either way (full queue or no free host buffer)."""
+        return self.put_wait_s + self.buffer_wait_s
+
     def summary(self) -> str:
         return ", ".join(f"{name.removesuffix('_s')} {value:.1f}s" for name, value in vars(self).items())
 
