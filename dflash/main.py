@@ -22,7 +22,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from dflash.config import STAGE_SEQUENCE, Config, ConfigError, register_configs, resolve_config
-from dflash.runtime import init_runtime
+from dflash.runtime import close_runtime, init_runtime
 from dflash.telemetry import WandbRun
 
 log = logging.getLogger("dflash")
@@ -62,4 +62,5 @@ def run_stages(cfg: Config) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main()  # every job of a multirun shares this process and its process group
+    close_runtime()

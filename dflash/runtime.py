@@ -136,6 +136,17 @@ def _broadcast_launch_id(world_size: int) -> str:
     return launch_id[0]
 
 
+def close_runtime() -> None:
+    """End of a process that succeeded: destroy the process group. Without it, gloo's worker
+    threads can abort the interpreter at exit ("terminate called without an active exception",
+    SIGABRT), turning a finished run into a failed launch. Not called after a failure: a peer may
+    still be inside a collective (torchtitan does the same)."""
+    if torch.distributed.is_initialized():  # not after `--cfg job` or a config error
+        from accelerate import PartialState
+
+        PartialState().destroy_process_group()
+
+
 def init_runtime(run_dir: str, device: str, barrier_timeout_s: float, poll_s: float) -> Runtime:
     """Read rank and world from accelerate's process state (set up by `accelerate launch` or
     torchrun; a plain `python` is rank 0 of 1), pick the device and create the run dir.

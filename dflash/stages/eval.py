@@ -5,7 +5,8 @@
 Reads `${run_dir}/export/` (the servable export, so what is measured is what is served),
 `${run_dir}/states` and the target's embed_tokens and lm_head. Writes `${run_dir}/eval.json`:
 tau_sim (mean acceptance length per block, 1 + leading correct slots) and the accuracy of each
-slot, also logged to W&B. Ranks split the held-out samples and add their sums.
+slot, also logged to W&B. Ranks split the held-out samples and add their sums. With no
+held-out samples it warns and writes no eval.json.
 """
 
 from __future__ import annotations
@@ -38,6 +39,12 @@ def run(cfg: Config, rt: Runtime, wandb_run: WandbRun) -> None:
     _, heldout_ids = split_ids(reader.sample_ids, cfg.train.eval_fraction, cfg.seed)
     if cfg.eval.max_samples is not None:
         heldout_ids = heldout_ids[: cfg.eval.max_samples]
+    if not heldout_ids:  # a tau of NaN in eval.json would read like a measurement
+        (rt.run_dir / "eval.json").unlink(missing_ok=True)
+        log.warning("no held-out samples among the %d stored (train.eval_fraction=%g, eval.max_samples=%s): "
+                    "nothing evaluated, no eval.json written", len(reader.sample_ids),
+                    cfg.train.eval_fraction, cfg.eval.max_samples)
+        return
     embed_tokens, lm_head = load_embeddings(cfg.model.path, torch.float32, rt.device)
     use_flex = cfg.train.attention == "flex" or (cfg.train.attention == "auto" and rt.device.type == "cuda")
     mine = StatesDataset(rt.run_dir / "states", heldout_ids[rt.rank::rt.world_size])

@@ -56,6 +56,9 @@ def run(cfg: Config, rt: Runtime, wandb_run: WandbRun) -> None:
     if not train_ids:
         raise ValueError(f"no training samples: {len(reader.sample_ids)} stored, all held out "
                          f"(train.eval_fraction={cfg.train.eval_fraction})")
+    if not heldout_ids:
+        log.warning("no held-out samples among the %d stored (train.eval_fraction=%g): stage=eval will "
+                    "have nothing to measure", len(reader.sample_ids), cfg.train.eval_fraction)
 
     on_gpu = rt.device.type == "cuda"
     precision = cfg.train.mixed_precision if cfg.train.mixed_precision != "auto" else ("bf16" if on_gpu else "no")

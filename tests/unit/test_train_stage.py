@@ -83,3 +83,11 @@ def test_sequences_without_response_are_skipped_and_counted(prepared_root, tmp_p
     with caplog.at_level("INFO"):
         run(prepared_root, "noresp", "train", data + ["train.eval_fraction=0.01"])
     assert "2 sequences without response tokens to anchor on were skipped" in caplog.text
+    # None of these 14 ids falls in a 1% held-out split: eval says so instead of writing tau NaN.
+    assert "no held-out samples among the 14 stored" in caplog.text
+    stale = Path(prepared_root) / "noresp" / "eval.json"
+    stale.write_text("{}")
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        run(prepared_root, "noresp", "eval", data)
+    assert "nothing evaluated, no eval.json written" in caplog.text and not stale.exists()
