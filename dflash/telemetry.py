@@ -168,7 +168,8 @@ def nvml_metrics() -> dict[str, float]:
 
 class WandbRun:
     """Rank 0's W&B run (mode from `WandbConfig`; `disabled`, or `enabled=False` on the other
-    ranks, makes every call a no-op). The run lives in `${run_dir}/wandb`. Use as a context manager: it finishes the run on every path."""
+    ranks, makes every call a no-op). The run lives in `${run_dir}/wandb`. Use as a context manager:
+    it finishes the run on every path."""
 
     def __init__(self, cfg: WandbConfig, run_dir: Path, run_name: str, config: dict[str, Any],
                  enabled: bool = True):

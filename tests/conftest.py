@@ -68,7 +68,8 @@ def main_command(num_processes: int) -> list[str]:
             str(REPO / "dflash" / "main.py")]
 
 
-def launch(root: Path, run_name: str, num_processes: int, extra: list[str] = (), **kwargs) -> subprocess.CompletedProcess:
+def launch(root: Path, run_name: str, num_processes: int, extra: list[str] = (),
+           **kwargs) -> subprocess.CompletedProcess:
     """Run stage=extract as a user would, through `accelerate launch` for several processes."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.run(main_command(num_processes) + small_overrides(root, run_name) + list(extra),

@@ -72,6 +72,7 @@ def random_conversations(cfg: DataConfig, vocab_size: int) -> datasets.Dataset:
     n = cfg.num_samples
     prompt_lengths = lognormal_lengths(rng, n, cfg.prompt_length_mean, cfg.length_sigma, cfg.max_prompt_length)
     response_lengths = lognormal_lengths(rng, n, cfg.response_length_mean, cfg.length_sigma, cfg.max_response_length)
-    input_ids = [rng.integers(0, vocab_size, size=int(p + r)).tolist() for p, r in zip(prompt_lengths, response_lengths)]
+    input_ids = [rng.integers(0, vocab_size, size=int(p + r)).tolist()
+                 for p, r in zip(prompt_lengths, response_lengths)]
     loss_masks = [[0] * int(p) + [1] * int(r) for p, r in zip(prompt_lengths, response_lengths)]
     return datasets.Dataset.from_dict({"sample_id": list(range(n)), "input_ids": input_ids, "loss_mask": loss_masks})

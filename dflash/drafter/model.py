@@ -98,7 +98,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class DFlashAttention(nn.Module):
     def __init__(self, arch: DrafterArch):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
+        self.num_heads, self.num_kv_heads = arch.num_attention_heads, arch.num_key_value_heads
+        self.head_dim = arch.head_dim
         self.q_proj = nn.Linear(arch.hidden_size, self.num_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(arch.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(arch.hidden_size, self.num_kv_heads * self.head_dim, bias=False)

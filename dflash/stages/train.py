@@ -159,7 +159,8 @@ def run(cfg: Config, rt: Runtime, wandb_run: WandbRun) -> None:
     if rt.is_main:
         export_drafter(accelerator.unwrap_model(model), rt.run_dir / "export", getattr(torch, cfg.train.export_dtype))
         log.info("exported the drafter to %s", rt.run_dir / "export")
-    skipped = meter.reduce_and_reset(accelerator)["train/num_skipped_no_response"] if meter.num_micro else meter.total_skipped
+    skipped = (meter.reduce_and_reset(accelerator)["train/num_skipped_no_response"] if meter.num_micro
+               else meter.total_skipped)
     log.info("training done at step %d; %d sequences without response tokens to anchor on were skipped "
              "(counted once per epoch)", step, skipped)
     wandb_run.summary({"train/final_step": step, "train/num_skipped_no_response": skipped})

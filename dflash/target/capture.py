@@ -193,7 +193,8 @@ class HiddenStateCapture:
         host = self._pool.get(sum(sizes) + 64)
         host_hidden = _host_view(host, tuple(hidden_BSLH.shape), hidden_BSLH.dtype)
         offset = (sizes[0] + 7) // 8 * 8
-        host_scales = _host_view(host, tuple(scales_BSL.shape), torch.float32, offset) if scales_BSL is not None else None
+        host_scales = (_host_view(host, tuple(scales_BSL.shape), torch.float32, offset)
+                       if scales_BSL is not None else None)
         offset = (offset + sizes[1] + 7) // 8 * 8
         host_bad = _host_view(host, (1,), torch.int64, offset)
         computed = torch.cuda.Event()
@@ -201,7 +202,8 @@ class HiddenStateCapture:
         ready = torch.cuda.Event()
         with torch.cuda.stream(self._copy_stream):
             self._copy_stream.wait_event(computed)
-            for device_tensor, host_tensor in ((hidden_BSLH, host_hidden), (scales_BSL, host_scales), (num_bad, host_bad)):
+            pairs = ((hidden_BSLH, host_hidden), (scales_BSL, host_scales), (num_bad, host_bad))
+            for device_tensor, host_tensor in pairs:
                 if device_tensor is not None:
                     host_tensor.copy_(device_tensor, non_blocking=True)
                     # keep the allocator from reusing this memory before the copy is done
