@@ -22,7 +22,7 @@ import torch
 from dflash.atomic import read_json, write_json_atomic
 from dflash.config import DataConfig, ModelConfig
 from dflash.data.synthetic import generate_synthetic, random_conversations
-from dflash.target.load import load_causal_lm, target_info_of
+from dflash.target.load import causal_lm_of, target_info_of
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ def ensure_prepared(cfg: DataConfig, model: ModelConfig, device: torch.device) -
         return
     vocab_size = info.vocab_size
     if cfg.source == "synthetic":
-        lm = load_causal_lm(model.path, getattr(torch, model.dtype), device)
+        lm = causal_lm_of(model, device)
         dataset, where = generate_synthetic(cfg, lm, vocab_size), "synthetic data"
         del lm
     elif cfg.source == "random":

@@ -18,10 +18,19 @@ from dflash.config import DataConfig
 log = logging.getLogger(__name__)
 
 
-def lognormal_lengths(rng: np.random.Generator, n: int, mean: float, sigma: float, maximum: int) -> np.ndarray:
-    """[n] int64 lengths, log-normal with the given mean (tokens), clipped to [1, maximum]."""
+def lognormal_lengths(rng: np.random.Generator, n: int, mean: float, sigma: float, maximum: int,
+                      minimum: int = 1) -> np.ndarray:
+    """[n] int64 lengths, log-normal with the given mean (tokens), clipped to [minimum, maximum]."""
     mu = np.log(mean) - sigma**2 / 2  # so that E[length] = mean before clipping
-    return np.clip(np.rint(rng.lognormal(mu, sigma, n)), 1, maximum).astype(np.int64)
+    return np.clip(np.rint(rng.lognormal(mu, sigma, n)), minimum, maximum).astype(np.int64)
+
+
+def conversation_lengths(cfg: DataConfig, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """([n] prompt, [n] response) lengths in tokens for `cfg.num_samples` conversations, drawn
+    from `rng` in that order."""
+    n = cfg.num_samples
+    return (lognormal_lengths(rng, n, cfg.prompt_length_mean, cfg.length_sigma, cfg.max_prompt_length),
+            lognormal_lengths(rng, n, cfg.response_length_mean, cfg.length_sigma, cfg.max_response_length))
 
 
 @torch.inference_mode()
@@ -34,8 +43,7 @@ def generate_synthetic(cfg: DataConfig, model: torch.nn.Module, vocab_size: int)
     """
     rng = np.random.default_rng(cfg.seed)
     n = cfg.num_samples
-    prompt_lengths = lognormal_lengths(rng, n, cfg.prompt_length_mean, cfg.length_sigma, cfg.max_prompt_length)
-    response_lengths = lognormal_lengths(rng, n, cfg.response_length_mean, cfg.length_sigma, cfg.max_response_length)
+    prompt_lengths, response_lengths = conversation_lengths(cfg, rng)
     prompts = [rng.integers(0, vocab_size, size=int(length)) for length in prompt_lengths]
     device = next(model.parameters()).device
 
@@ -70,8 +78,7 @@ def random_conversations(cfg: DataConfig, vocab_size: int) -> datasets.Dataset:
     log-normal as for synthetic data; no generation (throughput runs at scale)."""
     rng = np.random.default_rng(cfg.seed)
     n = cfg.num_samples
-    prompt_lengths = lognormal_lengths(rng, n, cfg.prompt_length_mean, cfg.length_sigma, cfg.max_prompt_length)
-    response_lengths = lognormal_lengths(rng, n, cfg.response_length_mean, cfg.length_sigma, cfg.max_response_length)
+    prompt_lengths, response_lengths = conversation_lengths(cfg, rng)
     input_ids = [rng.integers(0, vocab_size, size=int(p + r)).tolist()
                  for p, r in zip(prompt_lengths, response_lengths)]
     loss_masks = [[0] * int(p) + [1] * int(r) for p, r in zip(prompt_lengths, response_lengths)]

@@ -45,6 +45,7 @@ import torch
 from dflash.atomic import write_json_atomic
 from dflash.config import Config
 from dflash.data.batching import plan_batches
+from dflash.data.synthetic import lognormal_lengths
 from dflash.runtime import Runtime
 from dflash.store import StateReader
 from dflash.store.consolidate import consolidate
@@ -55,7 +56,7 @@ from dflash.target.capture import HiddenStateCapture, pad_right
 from dflash.target.compile import compile_decoder_layers, restore_eager, should_compile
 from dflash.target.extraction import prefetch_inputs, run_extraction
 from dflash.target.kernels import bind_fast_kernels, bind_transformers_kernels
-from dflash.target.load import build_random_model, ensure_target, load_causal_lm
+from dflash.target.load import causal_lm_of, ensure_target
 from dflash.telemetry import WandbRun, nvml_metrics
 
 log = logging.getLogger(__name__)
@@ -92,7 +93,7 @@ def run(cfg: Config, rt: Runtime, wandb_run: WandbRun) -> None:
     device = rt.device
     kernels = bind_fast_kernels(device)
     rt.main_first("target", lambda: ensure_target(cfg.model))  # rank 0 builds an embedded target
-    lm = causal_lm(cfg, device)
+    lm = causal_lm_of(cfg.model, device)  # the baseline needs the lm_head
     num_layers_total = lm.config.num_hidden_layers
     layer_ids = (list(cfg.extract.layer_ids) if cfg.extract.layer_ids is not None
                  else zlab_target_layer_ids(num_layers_total, cfg.extract.num_draft_layers))
@@ -103,8 +104,7 @@ def run(cfg: Config, rt: Runtime, wandb_run: WandbRun) -> None:
 
     b = cfg.bench
     rng = np.random.default_rng(b.seed)
-    lengths = np.clip(np.rint(rng.lognormal(np.log(b.length_mean) - b.length_sigma**2 / 2, b.length_sigma,
-                                            b.num_samples)), b.min_length, b.max_length).astype(np.int64)
+    lengths = lognormal_lengths(rng, b.num_samples, b.length_mean, b.length_sigma, b.max_length, b.min_length)
     plan = plan_batches(np.arange(len(lengths)), lengths, cfg.extract.token_budget, cfg.extract.max_batch_size)
     batches = timed_batches(plan, b.num_batches)
     fresh = new_shape_batches(plan, batches, b.new_shape_batches)
@@ -232,15 +232,6 @@ def padding_fraction(plan: list) -> float:
     return 1 - sum(b.num_real_tokens for b in plan) / sum(b.num_padded_tokens for b in plan)
 
 
-def causal_lm(cfg: Config, device: torch.device) -> torch.nn.Module:
-    """The whole target with its lm_head (the baseline needs it), random or from a checkpoint."""
-    dtype = getattr(torch, cfg.model.dtype)
-    if cfg.model.init == "random":
-        return build_random_model(cfg.model.architecture, cfg.model.seed, dtype, device,
-                                  cfg.model.attn_implementation, with_lm_head=True)
-    return load_causal_lm(cfg.model.path, dtype, device)
-
-
 def truncated_base(base: torch.nn.Module, num_layers: int) -> torch.nn.Module:
     """A view of `base` (sharing its weights) that runs only layers 0..num_layers-1."""
     view = copy.copy(base)
@@ -277,7 +268,7 @@ class UtilizationSampler:
     """Mean NVML utilization of this GPU while it runs (a thread sampling every 50 ms)."""
 
     def __init__(self, device: torch.device):
-        self.index = device.index or 0 if device.type == "cuda" else None
+        self.index = (device.index or 0) if device.type == "cuda" else None
         self.samples: list[float] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -334,9 +325,7 @@ def baseline(lm, layer_ids, fetch_rows, plan, device) -> dict:
             attention = padded.attention_mask_BS.to(device) if padded.attention_mask_BS is not None else None
             lm(input_ids=padded.input_ids_BS.to(device), attention_mask=attention, use_cache=True)
             torch.stack([captured[i] for i in layer_ids], dim=2).cpu()
-            counts["real"] += padded.num_real_tokens
-            counts["padded"] += padded.num_padded_tokens
-            counts["samples"] += len(batch.sample_ids)
+            _count(counts, padded)
     finally:
         for handle in handles:
             handle.remove()
@@ -360,9 +349,7 @@ def forward_only(base, layer_ids, fetch_rows, plan, device) -> dict:
             capture._buffer = torch.empty(*input_ids.shape, len(layer_ids), base.config.hidden_size,
                                           dtype=torch.bfloat16, device=device)
             base(input_ids=input_ids, use_cache=False)
-            counts["real"] += padded.num_real_tokens
-            counts["padded"] += padded.num_padded_tokens
-            counts["samples"] += len(padded.sample_ids)
+            _count(counts, padded)
     finally:
         capture.remove()
     return counts
@@ -401,35 +388,25 @@ def dflash_path(cfg, base, layer_ids, store_dtype, fetch_rows, plan, device, sta
     states_dir.mkdir(parents=True, exist_ok=True)
     capture = HiddenStateCapture(base, layer_ids, store_dtype, cfg.extract.writer_queue_batches + 2,
                                  max_batch_tokens=max(batch.num_padded_tokens for batch in plan))
-    if discard:
-        counts = {"real": 0, "padded": 0, "samples": 0}
-        inputs = prefetch_inputs(fetch_rows, plan, cfg.extract.max_length, pin=device.type == "cuda")
-        try:
-            _, times = run_extraction(capture, DiscardWriter(), inputs, lambda p: _count(counts, p))
-        finally:
-            capture.remove()
-        log.info("%s loop: %s", states_dir.name, times.summary())
-        return {**counts, "bytes": 0, "writer_wait_s": times.writer_wait_s,
-                "drain_s": times.close_s}
-    writer = ShardWriter(states_dir, "bench", 0, cfg.extract.shard_max_bytes, cfg.extract.writer_queue_batches,
-                         cfg.extract.writer_threads)
+    writer = DiscardWriter() if discard else ShardWriter(
+        states_dir, "bench", 0, cfg.extract.shard_max_bytes, cfg.extract.writer_queue_batches,
+        cfg.extract.writer_threads)
     counts = {"real": 0, "padded": 0, "samples": 0}
+    inputs = prefetch_inputs(fetch_rows, plan, cfg.extract.max_length, pin=device.type == "cuda")
     try:
-        stats, times = run_extraction(capture, writer, prefetch_inputs(fetch_rows, plan, cfg.extract.max_length,
-                                                                       pin=device.type == "cuda"),
-                                      lambda padded: _count(counts, padded))
+        stats, times = run_extraction(capture, writer, inputs, lambda padded: _count(counts, padded))
     finally:
         capture.remove()
     log.info("%s loop: %s; writer: %d shards, %.1fs writing, %.1fs waiting for a flush thread", states_dir.name,
              times.summary(), stats.num_shards, stats.write_s, stats.flush_wait_s)
-    info = {"path": "bench", "num_hidden_layers": 0, "hidden_size": base.config.hidden_size,
-            "vocab_size": base.config.vocab_size, "config_sha256": ""}
-    manifest = new_manifest(info, layer_ids, str(store_dtype).removeprefix("torch."), "bench", {})
-    consolidate(states_dir, manifest, verify_new=False)
-    manifest["complete"] = True
-    write_manifest(states_dir, manifest)
-    return {**counts, "bytes": stats.num_bytes, "writer_wait_s": times.writer_wait_s,
-            "drain_s": times.close_s}
+    if not discard:
+        info = {"path": "bench", "num_hidden_layers": 0, "hidden_size": base.config.hidden_size,
+                "vocab_size": base.config.vocab_size, "config_sha256": ""}
+        manifest = new_manifest(info, layer_ids, str(store_dtype).removeprefix("torch."), "bench", {})
+        consolidate(states_dir, manifest, verify_new=False)
+        manifest["complete"] = True
+        write_manifest(states_dir, manifest)
+    return {**counts, "bytes": stats.num_bytes, "writer_wait_s": times.writer_wait_s, "drain_s": times.close_s}
 
 
 def _count(counts: dict, padded) -> None:

@@ -191,6 +191,15 @@ def target_info_of(cfg: ModelConfig) -> TargetInfo:
     return target_info(cfg.path)
 
 
+def causal_lm_of(cfg: ModelConfig, device: torch.device) -> torch.nn.Module:
+    """The configured target with its lm_head, on `device`: random (`init=random`) or loaded."""
+    dtype = getattr(torch, cfg.dtype)
+    if cfg.init == "random":
+        return build_random_model(cfg.architecture or {}, cfg.seed, dtype, device, cfg.attn_implementation,
+                                  with_lm_head=True)
+    return load_causal_lm(cfg.path, dtype, device)
+
+
 def base_model_of(cfg: ModelConfig, num_layers: int, device: torch.device) -> torch.nn.Module:
     """The configured target's base model, truncated to `num_layers` layers, on `device`."""
     dtype = getattr(torch, cfg.dtype)
