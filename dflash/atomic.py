@@ -11,9 +11,10 @@ import json
 import os
 import threading
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 TMP_SUFFIX = ".tmp"
+T = TypeVar("T")
 
 
 def fsync_dir(path: Path) -> None:
@@ -25,14 +26,14 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
+def write_atomic(path: Path, write: Callable[[Path], T]) -> T:
     """Have `write(tmp)` create a temporary file beside `path`, then fsync it and rename it to
-    `path`. On any error (ENOSPC included) the temporary file is removed and the error re-raised
-    with the path in its message."""
+    `path`; returns what `write` returned. On any error (ENOSPC included) the temporary file is
+    removed and the error re-raised with the path in its message."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}")
     try:
-        write(tmp)
+        result = write(tmp)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -43,6 +44,7 @@ def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
             raise OSError(exc.errno, f"could not write {path}: {exc.strerror or exc}") from exc
         raise OSError(f"could not write {path}: {exc}") from exc
     fsync_dir(path.parent)
+    return result
 
 
 def write_bytes_atomic(path: Path, data: bytes | memoryview) -> None:

@@ -66,13 +66,13 @@ class CapturedBatch:
             hidden = hidden * self.scales_BSL[..., None]
         for b, (length, sample_id) in enumerate(zip(self.lengths, self.sample_ids)):
             rows = hidden[b, :length]
-            bad_SL = ~torch.isfinite(rows).all(-1) | (rows == 0).all(-1)
+            nonfinite_SL = ~torch.isfinite(rows).all(-1)
             if self.scales_BSL is not None:
-                bad_SL |= ~torch.isfinite(self.scales_BSL[b, :length])
+                nonfinite_SL |= ~torch.isfinite(self.scales_BSL[b, :length])
+            bad_SL = nonfinite_SL | (rows == 0).all(-1)
             if bad_SL.any():
                 s, k = (int(i) for i in bad_SL.nonzero()[0])
-                what = "non-finite" if not torch.isfinite(rows[s, k]).all() or (
-                    self.scales_BSL is not None and not torch.isfinite(self.scales_BSL[b, s, k])) else "all-zero"
+                what = "non-finite" if nonfinite_SL[s, k] else "all-zero"
                 raise BadHiddenStates(
                     f"sample id {sample_id}: {what} hidden state at token {s} of layer id {self.layer_ids[k]} "
                     f"({int(self.num_bad_rows[0])} bad rows in its batch); nothing of this batch was stored")
@@ -226,10 +226,9 @@ class ShardWriter:
         if samples[0][4] is not None:  # fp8: value = hidden_states * hidden_scales
             tensors["hidden_scales"] = torch.cat([s[4] for s in samples])
         path = self.states_dir / rel
-        checksum: list[str] = []
-        write_atomic(path, lambda tmp: checksum.append(write_safetensors(
-            tmp, tensors, {"format": "pt", "dflash_format_version": "1"})))
-        info = {"sha256": checksum[0], "num_samples": len(samples), "num_tokens": int(offsets[-1]),
+        checksum = write_atomic(path, lambda tmp: write_safetensors(
+            tmp, tensors, {"format": "pt", "dflash_format_version": "1"}))
+        info = {"sha256": checksum, "num_samples": len(samples), "num_tokens": int(offsets[-1]),
                 "num_bytes": path.stat().st_size}
         with self._lock:
             append_journal(self.journal, rel, info)
