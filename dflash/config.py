@@ -266,6 +266,10 @@ class TrainConfig:
     """Check every shard's sha256 at the start (split over the ranks; reads the whole states dir
     once per launch, minutes per TB)."""
 
+    def uses_flex_attention(self, on_gpu: bool) -> bool:
+        """`attention` resolved for a device: True for flex attention, False for dense-mask SDPA."""
+        return self.attention == "flex" or (self.attention == "auto" and on_gpu)
+
     def check(self) -> None:
         for key in ("num_anchors", "num_epochs", "grad_accum_steps", "checkpoint_every_steps",
                     "keep_checkpoints", "ce_chunk_rows", "log_every_steps"):
@@ -384,7 +388,7 @@ class Config:
     """The whole run. `run_dir` = `${output_root}/${run_name}`, the same on every rank."""
 
     stage: str = "all"
-    """Which stage to run: all (extract -> train -> eval) | prepare | extract | train | eval."""
+    """Which stage to run: all (extract -> train -> eval) | prepare | extract | train | eval | bench."""
     run_name: str = "demo"
     """Name of the run; the same name resumes the same run."""
     output_root: str = "outputs"

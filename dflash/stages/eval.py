@@ -46,7 +46,7 @@ def run(cfg: Config, rt: Runtime, wandb_run: WandbRun) -> None:
                     cfg.train.eval_fraction, cfg.eval.max_samples)
         return
     embed_tokens, lm_head = load_embeddings(cfg.model.path, torch.float32, rt.device)
-    use_flex = cfg.train.attention == "flex" or (cfg.train.attention == "auto" and rt.device.type == "cuda")
+    use_flex = cfg.train.uses_flex_attention(on_gpu=rt.device.type == "cuda")
     mine = StatesDataset(rt.run_dir / "states", heldout_ids[rt.rank::rt.world_size])
     local = evaluate_acceptance(drafter, embed_tokens, lm_head, (mine[i] for i in range(len(mine))),
                                 cfg.eval.anchors_per_forward, cfg.train.ce_chunk_rows, use_flex)

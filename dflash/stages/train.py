@@ -62,7 +62,7 @@ def run(cfg: Config, rt: Runtime, wandb_run: WandbRun) -> None:
 
     on_gpu = rt.device.type == "cuda"
     precision = cfg.train.mixed_precision if cfg.train.mixed_precision != "auto" else ("bf16" if on_gpu else "no")
-    use_flex = cfg.train.attention == "flex" or (cfg.train.attention == "auto" and on_gpu)
+    use_flex = cfg.train.uses_flex_attention(on_gpu)
     accelerator = Accelerator(mixed_precision=precision, gradient_accumulation_steps=cfg.train.grad_accum_steps,
                               dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
                               cpu=not on_gpu)
