@@ -29,8 +29,8 @@ SUMMARY = "sweep_summary.md"
 
 
 class SweepSummary(Callback):
-    """After the last job (rank 0): one table of every job's bench.json rows (or eval.json),
-    fastest first, in `<sweep dir>/sweep_summary.md`."""
+    """After the last job (rank 0): one table of every job's bench.json rows, fastest first, in
+    `<sweep dir>/sweep_summary.md` (nothing when no job ran stage=bench)."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         if int(os.environ.get("RANK", "0")) != 0:

@@ -28,7 +28,8 @@ class StatesDataset(Dataset):
     """Samples of a states dir by index into `sample_ids`. Each worker process opens its own
     memory-mapped reader; nothing but the requested sample is read.
 
-    Item: {sample_id: int, hidden [S, F*H] (store dtype), input_ids [S] int64, loss_mask [S] bool}.
+    Item: {sample_id: int, hidden [S, F*H] bfloat16 (fp8 shards dequantized), input_ids [S] int64,
+    loss_mask [S] bool}.
     """
 
     def __init__(self, states_dir: str | Path, sample_ids: list[int]):
