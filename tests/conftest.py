@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 from dflash.config import Config, register_configs, resolve_config
 from dflash.main import run_stages
@@ -30,6 +31,13 @@ def small_overrides(root: Path, run_name: str = "test") -> list[str]:
         "device=cpu", "extract.token_budget=512", "extract.progress_interval_s=0.2",
         "barrier.timeout_s=120", "barrier.poll_s=0.05", "wandb.mode=disabled",
     ]
+
+
+def qwen35_architecture(**overrides) -> dict:
+    """The embedded tiny target's `Qwen3_5TextConfig` arguments (conf/model/tiny.yaml) with
+    `overrides` merged in (a nested dict such as rope_parameters merges key by key)."""
+    tiny = OmegaConf.load(REPO / "conf" / "model" / "tiny.yaml").architecture
+    return OmegaConf.to_container(OmegaConf.merge(tiny, overrides))
 
 
 def compose_config(overrides: list[str]) -> Config:

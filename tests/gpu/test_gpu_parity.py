@@ -10,15 +10,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import qwen35_architecture
+
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-MID = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=8,
-           num_key_value_heads=2, head_dim=128, linear_num_key_heads=4, linear_num_value_heads=12,
-           linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4, full_attention_interval=4,
-           rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
-                            "mrope_section": [6, 5, 5], "mrope_interleaved": True},
-           rms_norm_eps=1e-6, tie_word_embeddings=False, use_cache=False)
+MID = qwen35_architecture(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                          num_attention_heads=8, head_dim=128, linear_num_key_heads=4, linear_num_value_heads=12,
+                          linear_key_head_dim=64, linear_value_head_dim=64,
+                          rope_parameters={"mrope_section": [6, 5, 5]})
 LAYER_IDS = [1, 3, 6]
 LENGTHS = [4096, 1500, 333, 64, 7]
 

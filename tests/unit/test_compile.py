@@ -3,16 +3,13 @@ fire, every layer and batch shape shares the compiled code, and `restore_eager` 
 
 import torch
 
+from conftest import qwen35_architecture
 from dflash.target.capture import HiddenStateCapture, pad_right
 from dflash.target.compile import compile_decoder_layers, restore_eager, should_compile
 from dflash.target.load import build_random_model
 
-SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-             linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4, full_attention_interval=4,
-             rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
-                              "mrope_section": [1, 1, 0], "mrope_interleaved": True},
-             rms_norm_eps=1e-6, tie_word_embeddings=False, use_cache=False)
+SMALL = qwen35_architecture(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                            head_dim=16, linear_num_value_heads=4, rope_parameters={"mrope_section": [1, 1, 0]})
 LAYER_IDS = [1, 3]  # a Gated-DeltaNet layer and the full-attention layer
 
 
